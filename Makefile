@@ -1,0 +1,40 @@
+# kvray's front door: `make test` and `make generate` (and `make bench`).
+# torch is installed first and pinned (a bare `torch` requirement can pull a multi-GB CUDA
+# build); CUDA users override TORCH_SPEC, e.g. `make install TORCH_SPEC="torch==2.13.0 --index-url ..."`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.7.1
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvray-installed
+
+.PHONY: install test test-fast generate bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q $(TRITON_SPEC)
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+generate: install
+	$(VENV)/bin/kvray generate
+
+bench: install
+	$(VENV)/bin/kvray bench offline
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

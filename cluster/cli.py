@@ -1,0 +1,76 @@
+"""The `kvray` command line: generate, bench (serve arrives with the Serve app)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_CHAT = "What is the capital of France? Answer in one sentence."
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvray.engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    if args.raw:
+        out = llm.generate([args.prompt], params)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+BENCHMARKS = {"offline": "offline_throughput.py"}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run a script from the checkout's benchmarks/ folder (editable installs have it)."""
+    import runpy
+    from pathlib import Path
+
+    import kvray
+
+    script = Path(kvray.__file__).resolve().parent / "benchmarks" / BENCHMARKS[args.name]
+    if not script.exists():
+        print(f"kvray: error: {script} not found (benchmarks run from a source checkout)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvray", description="kvray: distributed LLM serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer one prompt with the offline engine")
+    gen.add_argument("--model", default="smollm2-135m-instruct")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    gen.add_argument("--prompt", default=DEFAULT_CHAT)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (e.g. `kvray bench offline`)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvray.errors import KvrayError
+
+    try:
+        return args.func(args)
+    except KvrayError as e:
+        print(f"kvray: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Engine arguments: a plain dataclass (the engine path stays free of pydantic and Ray).
+
+Values the engine discovers at start-up (number of KV blocks, EOS ids, the model's
+context length) live on the engine, never written back into this object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvray.errors import InvalidArgumentError, check_range
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+POLICIES = ("fcfs", "priority", "deadline")
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwise
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+    device: str | None = None  # None: cuda when available
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError("dtype", self.dtype, f"one of {DTYPES}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise InvalidArgumentError("block_size", self.block_size, "one of 8, 16, 32, 64, 128")
+        check_range("max_num_seqs", self.max_num_seqs, low=1)
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
+        if self.max_model_len is not None:
+            check_range("max_model_len", self.max_model_len, low=1)
+        if self.kv_cache_memory_bytes is not None:
+            check_range("kv_cache_memory_bytes", self.kv_cache_memory_bytes, low=1)
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
+        if self.scheduling_policy not in POLICIES:
+            raise InvalidArgumentError("scheduling_policy", self.scheduling_policy, f"one of {POLICIES}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise InvalidArgumentError(
+                    name, getattr(self, name), "1 in a single-process engine (shard groups run on Ray workers)"
+                )

@@ -1,0 +1,54 @@
+"""Incremental detokenization and stop strings.
+
+Decoding only a short window of recent tokens per step keeps the cost per token
+constant: `prefix_offset..read_offset` are the tokens of the last emitted piece, used as
+left context so byte-level BPE pieces and leading spaces decode as in a full decode. A window
+that ends inside a multi-byte character (U+FFFD at the end) is held back until the next
+token completes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self):
+        self.special_ids = set(self.tokenizer.all_special_ids) if self.skip_special_tokens else set()
+
+    def _decode(self, ids: list[int]) -> str:
+        ids = [t for t in ids if t not in self.special_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one generated token; returns the stop string it completed, if any."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return self._check_stop(len(full) - len(prefix))
+        return None
+
+    def _check_stop(self, new_chars: int) -> str | None:
+        for stop in self.stop_strings:
+            # the stop string may straddle the new text and the old tail
+            start = max(len(self.text) - new_chars - len(stop) + 1, 0)
+            idx = self.text.find(stop, start)
+            if idx != -1:
+                end = idx + len(stop) if self.include_stop_str_in_output else idx
+                self.text = self.text[:end]
+                return stop
+        return None

@@ -1,0 +1,119 @@
+"""The offline API, shaped like vLLM's `LLM`: build once, `generate` batches to completion."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvray.engine.config import EngineConfig
+from kvray.engine.llm_engine import LLMEngine, PromptInput
+from kvray.engine.outputs import RequestOutput
+from kvray.engine.sampling_params import SamplingParams
+from kvray.errors import InvalidArgumentError
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        attention_backend: str | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        seed: int = 0,
+        **kwargs,
+    ):
+        config = EngineConfig(
+            model=model, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, seed=seed,
+            **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
+        )
+        engine_kwargs = {k: kwargs[k] for k in ("hf_config", "tokenizer") if k in kwargs}
+        self.engine = LLMEngine(config, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order.
+
+        Every prompt and parameter set is validated before any is scheduled.
+        """
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidArgumentError(
+                    "sampling_params", f"<{len(params)} items>", f"one SamplingParams or {len(prompts)} of them"
+                )
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        engine = self.engine
+        for prompt, p in zip(prompts, params):
+            engine.validate(engine.tokenize(prompt)[1], p)
+        ids = [str(next(self._ids)) for _ in prompts]
+        for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
+            engine.add_request(rid, prompt, p, priority=prio)
+        return self._run(ids)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in finals])
+            raise
+        return [finals[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def kv_cache_stats(self):
+        return self.engine.kv_cache_stats()

@@ -1,0 +1,183 @@
+"""The synchronous engine core: requests in, one scheduled step at a time, outputs out.
+
+`LLM` (offline) drives it in a loop; `AsyncLLM` runs the same loop in a thread and feeds
+per-request streams. Bad input is rejected in `add_request` before anything is
+scheduled, so one bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from kvray.engine.config import EngineConfig
+from kvray.engine.kv_cache_manager import KVCacheManager
+from kvray.engine.model_runner import ModelRunner, resolve_dtype
+from kvray.engine.output_processor import OutputProcessor
+from kvray.engine.outputs import RequestOutput
+from kvray.engine.request import Request, RequestStatus, SampleGroup
+from kvray.engine.sampling_params import SamplingParams
+from kvray.engine.scheduler import Scheduler
+from kvray.errors import InvalidArgumentError
+from kvray.models.loader import build_model, load_config, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+PromptInput = Union[str, dict, list]  # text, {"prompt_token_ids": [...]}, or token ids
+
+
+@dataclass
+class StepStats:
+    num_batched_tokens: int
+    num_running: int
+    num_waiting: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, hf_config=None, model_path=None, tokenizer=None):
+        """Build from `config.model`; tests may pass `hf_config` (random weights, no path)."""
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        if hf_config is None:
+            model_path = resolve_model_path(config.model)
+            hf_config = load_config(model_path)
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
+        self.max_model_len = self._max_model_len(hf_config)
+        model = build_model(hf_config, model_path, self.dtype, self.device, self.max_model_len)
+        self.runner = ModelRunner(config, model, hf_config, self.device, self.dtype, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            config.scheduling_policy,
+        )
+        self.outputs = OutputProcessor(tokenizer)
+        self.eos_token_ids = self._eos_ids(hf_config, model_path, tokenizer)
+        self.last_step: StepStats | None = None
+
+    def _max_model_len(self, hf_config) -> int:
+        native = getattr(hf_config, "max_position_embeddings", None) or 2048
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return native
+        if wanted > native:
+            raise InvalidArgumentError("max_model_len", wanted, f"[1, {native}] (the model's context)")
+        return wanted
+
+    @staticmethod
+    def _eos_ids(hf_config, model_path, tokenizer) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (hf_config, tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if model_path is not None:
+            from transformers import GenerationConfig
+
+            try:
+                eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            except OSError:
+                pass
+        return frozenset(ids)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgumentError("prompt", prompt, "token ids (this engine has no tokenizer)")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidArgumentError("prompt", prompt, "a string, token ids, or {'prompt_token_ids': [...]}")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidArgumentError("prompt", prompt_ids, "at least 1 token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidArgumentError(
+                "prompt", f"<{len(prompt_ids)} tokens>",
+                f"at most {self.max_model_len - 1} tokens (max_model_len={self.max_model_len})",
+            )
+        vocab = self.hf_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidArgumentError("prompt_token_ids", "out of range", f"ids in [0, {vocab - 1}]")
+
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams,
+        priority: int = 0, deadline: float | None = None,
+    ) -> None:
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        if request_id in self.outputs.tracked:
+            raise InvalidArgumentError("request_id", request_id, "an id not already in flight")
+        group = SampleGroup(params.n) if params.n > 1 else None
+        now = time.monotonic()
+        samples = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=ids, sampling_params=params, eos_token_ids=self.eos_token_ids,
+                block_size=self.config.block_size, prompt=text, arrival_time=now,
+                priority=priority, deadline=deadline, sample_index=i, group=group,
+                parent_id=request_id if params.n > 1 else None,
+            )
+            for i in range(params.n)
+        ]
+        self.outputs.add(request_id, samples)
+        for s in samples:
+            self.scheduler.add_request(s)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Finish the requests as `abort` and free their blocks now; returns final outputs."""
+        finals = []
+        for rid in request_ids:
+            samples = self.outputs.samples_of(rid)
+            if not samples:
+                continue
+            self.scheduler.abort([s.request_id for s in samples])
+            for s in samples:
+                self.runner.sampler.forget(s.request_id)
+            finals.append(self.outputs.output(rid))
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs of requests that moved."""
+        sched = self.scheduler.schedule()
+        self.last_step = StepStats(sched.total_tokens, len(self.scheduler.running), len(self.scheduler.waiting))
+        if not sched.requests:
+            return []
+        tables = [self.kv.block_ids(r.request_id) for r in sched.requests]
+        result = self.runner.execute(sched, tables)
+        sampled = dict(zip(result.request_ids, result.sampled.token_ids))
+        logprobs = dict(zip(result.request_ids, result.sampled.logprobs))
+        advanced = self.scheduler.update_from_output(sched, sampled)
+        touched: dict[str, None] = {}
+        for req in advanced:
+            stop = self.outputs.on_token(req, logprobs[req.request_id])
+            if stop is not None and not req.finished:
+                req.stop_reason = stop
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if req.finished:
+                self.runner.sampler.forget(req.request_id)
+            touched[self.outputs.parent_of(req.request_id)] = None
+        return [self.outputs.output(rid) for rid in touched]
+
+    def kv_cache_stats(self):
+        return self.kv.stats()

@@ -1,0 +1,140 @@
+"""Batched token sampling: penalties, temperature, min-p, top-k, top-p, per-request seeds.
+
+All requests of a step are sampled in one pass over a [B, V] logits tensor. Sampling is
+Gumbel-max style (argmax of p / q with q ~ Exp(1)), so a request with a seed draws its
+noise from its own generator and gets the same tokens whatever else is in the batch.
+Logprobs are those of the model's raw distribution (log_softmax of the logits), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvray.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # per row: (logprob of the sampled token, its rank, [(token, logprob), ...] top-k) or None
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.generators: dict[str, torch.Generator] = {}  # per seeded request
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits fp32 [B, V], row i belongs to requests[i]."""
+        logits = logits[:, : self.vocab_size]
+        raw = logits
+        params = [r.sampling_params for r in requests]
+        logits = self._apply_penalties(logits, requests)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        if bool(greedy.all()):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests, greedy)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, token_list, params))
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [
+            i
+            for i, r in enumerate(requests)
+            if r.sampling_params.repetition_penalty != 1.0
+            or r.sampling_params.presence_penalty != 0.0
+            or r.sampling_params.frequency_penalty != 0.0
+        ]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p, r = requests[i].sampling_params, requests[i]
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=row.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
+                counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor):
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        probs = (logits / temps[:, None]).softmax(dim=-1)
+        probs = _filter_min_p(probs, [p.min_p for p in params])
+        probs = _filter_top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
+        noise = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(requests):
+            if r.sampling_params.seed is not None and not r.sampling_params.greedy:
+                noise[i].exponential_(generator=self._generator(r, device))
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def _generator(self, r: Request, device: torch.device) -> torch.Generator:
+        g = self.generators.get(r.request_id)
+        if g is None:
+            g = torch.Generator(device=device).manual_seed(r.sampling_params.seed + r.sample_index)
+            self.generators[r.request_id] = g
+        return g
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list:
+        wanted = [p.logprobs for p in params]
+        if all(k is None for k in wanted):
+            return [None] * len(tokens)
+        logprobs = raw.log_softmax(dim=-1)
+        k_max = max(k or 0 for k in wanted)
+        top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
+        out = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                out.append(None)
+                continue
+            lp = logprobs[i, tokens[i]]
+            rank = int((logprobs[i] > lp).sum()) + 1
+            top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist()))
+            out.append((float(lp), rank, top))
+        return out
+
+
+def _filter_min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    if not any(min_ps):
+        return probs
+    min_p = torch.tensor(min_ps, device=probs.device)[:, None]
+    keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    return probs * keep
+
+
+def _filter_top_k_top_p(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Zero every token outside each row's top-k set and outside its top-p nucleus.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p
+    (after top-k); the token that crosses top_p is kept.
+    """
+    if all(k == -1 for k in top_ks) and all(p >= 1.0 for p in top_ps):
+        return probs
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ks = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks], device=probs.device)
+    position = torch.arange(vocab, device=probs.device)[None, :]
+    keep = position < ks[:, None]
+    sorted_probs = sorted_probs * keep
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    total = sorted_probs.sum(dim=-1, keepdim=True)
+    top_p = torch.tensor(top_ps, device=probs.device)[:, None]
+    keep &= mass_before < top_p * total
+    keep[:, 0] = True
+    mask = torch.zeros_like(keep).scatter_(-1, order, keep)
+    return probs * mask

@@ -1,0 +1,184 @@
+"""Iteration-level scheduler (vLLM v1's rule): no prefill or decode phase, only tokens.
+
+Every request has `num_computed_tokens` catching up with `num_tokens`. Each step hands
+out a budget of `max_num_batched_tokens` over at most `max_num_seqs` requests: running
+requests first (a decode needs one token, an unfinished prompt a chunk), then waiting
+ones, whose prompts are chunked to fit what is left. When blocks run out, the
+lowest-ranked running request is preempted: its blocks are freed and it recomputes
+later (its full blocks usually come back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvray.engine.kv_cache_manager import KVCacheManager
+from kvray.engine.request import Request, RequestStatus
+
+Policy = Literal["fcfs", "priority", "deadline"]
+
+POLICY_KEYS: dict[str, Callable[[Request], tuple]] = {
+    "fcfs": lambda r: (r.arrival_time,),
+    "priority": lambda r: (r.priority, r.arrival_time),
+    "deadline": lambda r: (math.inf if r.deadline is None else r.deadline, r.arrival_time),
+}
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in the order the model runner packs it."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # per request
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Does request i reach its last known token this step (so it samples one)?"""
+        r = self.requests[i]
+        return r.num_computed_tokens + self.num_scheduled_tokens[i] == r.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: Policy = "fcfs",
+    ):
+        self.kv = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.rank_key = POLICY_KEYS[policy]
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._seq = itertools.count()
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=self.rank_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()  # lowest ranked
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self.waiting.sort(key=self.rank_key)
+        admitted = []
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if req.group is not None and req.sample_index > 0 and not req.group.prompt_done:
+                continue  # waits for sample 0 to put the prompt in the prefix cache
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break  # head of line waits for blocks
+            req.num_computed_tokens += num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+        if admitted:
+            taken = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts and append sampled tokens; returns requests that got a
+        token. Requests that hit EOS, a stop token, max_tokens or max_model_len finish here."""
+        advanced = []
+        for i, req in enumerate(out.requests):
+            req.num_computed_tokens += out.num_scheduled_tokens[i]
+            if req.request_id not in sampled:
+                continue
+            if req.group is not None and req.sample_index == 0:
+                req.group.prompt_done = True
+            req.append_token(sampled[req.request_id])
+            advanced.append(req)
+            reason = self._stop_reason(req)
+            if reason is not None:
+                self.finish(req, reason)
+        return advanced
+
+    def _stop_reason(self, req: Request) -> RequestStatus | None:
+        params = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop, length, abort) and release its blocks at once."""
+        if req.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                aborted.append(req)
+        return aborted

@@ -1,0 +1,386 @@
+"""Triton paged attention over a packed batch that mixes decode rows and prefill chunks.
+
+Layouts::
+
+    q, out:           [T, Hq, D]  the T new tokens of S sequences, packed back to back
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+    cu_seqlens_q:     int32 [S+1]  sequence i owns q rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    seq_lens:         int32 [S]    context length of sequence i, new tokens included
+    block_tables:     int32 [S, max_blocks]  context position p of sequence i lives at
+                      block block_tables[i, p // block_size], offset p % block_size
+
+    sequence i:  |<────────── seq_lens[i] context positions ──────────>|
+                 | cached prefix (earlier steps)   | q_len new tokens  |
+    q row r of i sits at position seq_lens[i] - q_len + r and sees keys j <= that position
+    (and, with a sliding window W, j > position - W).
+
+Plain path (any batch): one program per (q block, KV head). A q block is BLOCK_Q tokens
+of one sequence times the GROUP = Hq // Hkv query heads sharing that KV head, i.e.
+BLOCK_M = BLOCK_Q * GROUP rows, so each K/V tile is loaded once for the whole group.
+Sequence i's q blocks are numbered from cu_seqlens_q[i] // BLOCK_Q + i; that needs no
+host-side table, and T // BLOCK_Q + S programs per head cover every batch (programs past
+their sequence's last token exit at once). The KV loop is an online softmax (base 2)
+over tiles of TILE_N context positions, each position looked up in the block table.
+
+Split path (flash-decoding, decode-only batches): one program per (sequence, KV head,
+split); split s covers an equal share of the visible context and writes its normalised
+partial output and log-sum-exp; a reduce program per (sequence, query head) merges them.
+The rule that picks it is `choose_num_splits`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from kvray.errors import InvalidArgumentError
+
+LOG2E = 1.4426950408889634
+TILE_N = 32  # context positions per KV tile (any block size works: positions are looked up)
+SPLIT_MIN_CONTEXT = 512  # below this many visible keys the plain path is fast enough
+SPLIT_MIN_KEYS = 256  # each split gets at least this many keys
+MAX_SPLITS = 32
+ASSUMED_NUM_SMS = 132  # off-GPU (interpreter) stand-in for the SM count (H100/H200)
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i,  # [BLOCK_M, BLOCK_D], [BLOCK_M], [BLOCK_M] fp32 running softmax state
+    q,  # [BLOCK_M, BLOCK_D] query rows (compute dtype)
+    q_pos,  # [BLOCK_M] int32 absolute position of each row; -1 for padding rows
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_table_ptr,  # int32 [max_blocks]: this sequence's row of block_tables
+    kv_head, key_lo, key_hi,  # scan context positions [key_lo, key_hi)
+    qk_scale, window, head_dim,
+    stride_cb, stride_co, stride_ch,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    for start in range(key_lo, key_hi, TILE_N):
+        k_pos = start + tl.arange(0, TILE_N)
+        k_ok = k_pos < key_hi
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        base = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        k_t = tl.load(k_cache_ptr + base[None, :] + dims[:, None],  # [BLOCK_D, TILE_N]
+                      mask=dim_ok[:, None] & k_ok[None, :], other=0.0)
+        s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, TILE_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + base[:, None] + dims[None, :],  # [TILE_N, BLOCK_D]
+                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """Largest i with cu_seqlens_q[i] // BLOCK_Q + i <= q_block (binary search)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        right = first <= q_block
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    out_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # int32 [S+1]
+    seq_lens_ptr,  # int32 [S]
+    block_tables_ptr,  # int32 [S, max_blocks]
+    qk_scale, window, num_seqs, head_dim,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_co, stride_ch, stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first_tok = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_tok >= q_len:
+        return
+    prefix = tl.load(seq_lens_ptr + seq) - q_len  # context positions before the first q row
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = first_tok + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = tl.where(row_ok, prefix + tok, -1)
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (dims < head_dim)[None, :]
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=mask, other=0.0)
+
+    key_hi = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
+    key_lo = 0
+    if HAS_WINDOW:
+        key_lo = tl.maximum(prefix + first_tok - window + 1, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, key_lo, key_hi,
+        qk_scale, window, head_dim, stride_cb, stride_co, stride_ch,
+        BLOCK_SIZE, TILE_N, BLOCK_D, HAS_WINDOW, DOT_PRECISION,
+    )
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_decode_kernel(
+    q_ptr,  # [T, Hq, D]; every sequence has q_len <= 1
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    partial_out_ptr,  # fp32 [S, Hq, num_splits, D]: split's output, already normalised
+    partial_lse_ptr,  # fp32 [S, Hq, num_splits]: split's log2-sum-exp2 (-inf if empty)
+    cu_seqlens_q_ptr,  # int32 [S+1]
+    seq_lens_ptr,  # int32 [S]
+    block_tables_ptr,  # int32 [S, max_blocks]
+    qk_scale, window, head_dim, split_len,
+    stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
+    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_lo = 0
+    if HAS_WINDOW:
+        ctx_lo = tl.maximum(seq_len - window, 0)
+    key_lo = ctx_lo + split * split_len
+    key_hi = tl.minimum(key_lo + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (dims < head_dim)[None, :]
+    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                + dims[None, :], mask=mask, other=0.0)
+    q_pos = tl.where(row_ok, seq_len - 1, -1)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, key_lo, key_hi,
+        qk_scale, window, head_dim, stride_cb, stride_co, stride_ch,
+        BLOCK_SIZE, TILE_N, BLOCK_D, HAS_WINDOW, DOT_PRECISION,
+    )
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    part = seq * stride_ps + head * stride_ph + split * stride_pk
+    tl.store(partial_out_ptr + part[:, None] + dims[None, :], acc / l_safe[:, None], mask=mask)
+    tl.store(partial_lse_ptr + seq * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    partial_out_ptr,  # fp32 [S, Hq, num_splits, D]
+    partial_lse_ptr,  # fp32 [S, Hq, num_splits]
+    out_ptr,  # [T, Hq, D]
+    cu_seqlens_q_ptr,  # int32 [S+1]
+    num_splits, head_dim,
+    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_ot, stride_oh,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:
+        return
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_ok = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    lse = tl.load(partial_lse_ptr + seq * stride_ls + head * stride_lh + splits,
+                  mask=split_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_SPLITS]; empty splits weigh 0
+    part = seq * stride_ps + head * stride_ph + splits[:, None] * stride_pk + dims[None, :]
+    o = tl.load(partial_out_ptr + part, mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    o = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
+             o.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return ASSUMED_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_visible_keys: int, num_sms: int
+) -> int:
+    """Splits per sequence for the split-KV decode path; 1 means use the plain path.
+
+    Split only when all of these hold:
+    * the batch is decode-only (max_seqlen_q == 1);
+    * the plain path would leave SMs idle: num_seqs * num_kv_heads < num_sms;
+    * some sequence sees at least SPLIT_MIN_CONTEXT keys (window applied).
+    Then aim at about two programs per SM, with at least SPLIT_MIN_KEYS keys per split
+    and at most MAX_SPLITS splits: min(cdiv(2 * num_sms, num_seqs * num_kv_heads),
+    max_visible_keys // SPLIT_MIN_KEYS, MAX_SPLITS).
+    """
+    programs = num_seqs * num_kv_heads
+    if max_seqlen_q != 1 or programs >= num_sms or max_visible_keys < SPLIT_MIN_CONTEXT:
+        return 1
+    by_sms = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(by_sms, max_visible_keys // SPLIT_MIN_KEYS, MAX_SPLITS))
+
+
+def unified_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    out: torch.Tensor,  # [T, Hq, D], written in place
+    cu_seqlens_q: torch.Tensor,  # int32 [S+1]
+    seq_lens: torch.Tensor,  # int32 [S]
+    block_tables: torch.Tensor,  # int32 [S, max_blocks]
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    force_split: bool | None = None,
+    num_splits: int | None = None,
+) -> None:
+    """Causal paged attention of every q row over its sequence's cached context.
+
+    max_seqlen_q / max_seqlen_k: host copies of the longest q chunk and context, if the
+        caller has them; otherwise they are read from the device when the split rule needs
+        them (only for batches with as many q rows as sequences). max_seqlen_k must be
+        >= seq_lens.max().
+    force_split: None applies `choose_num_splits`; True takes the split-KV path (every
+        q_len must be <= 1); False always takes the plain path.
+    num_splits: the split count when the split path runs (None: the rule's, >= 2).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_q_heads % num_kv_heads or k_cache.shape[3] != head_dim:
+        allowed = f"[T, a multiple of {num_kv_heads}, {k_cache.shape[3]}]"
+        raise InvalidArgumentError("q", tuple(q.shape), allowed)
+    if v_cache.shape != k_cache.shape or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        allowed = f"{tuple(k_cache.shape)} like k_cache, last dims contiguous"
+        raise InvalidArgumentError("v_cache", tuple(v_cache.shape), allowed)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        allowed = f"{tuple(q.shape)}, last dim contiguous"
+        raise InvalidArgumentError("out", tuple(out.shape), allowed)
+    if sliding_window is not None and sliding_window < 1:
+        raise InvalidArgumentError("sliding_window", sliding_window, "None or >= 1")
+    if num_splits is not None and num_splits < 1:
+        raise InvalidArgumentError("num_splits", num_splits, "None or >= 1")
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    cu_seqlens_q = cu_seqlens_q.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    block_tables = block_tables.to(torch.int32)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    group = num_q_heads // num_kv_heads
+    common = dict(
+        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        cu_seqlens_q_ptr=cu_seqlens_q, seq_lens_ptr=seq_lens, block_tables_ptr=block_tables,
+        qk_scale=scale * LOG2E, window=sliding_window or 0, head_dim=head_dim,
+        stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_cb=k_cache.stride(0), stride_co=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_bt=block_tables.stride(0),
+        GROUP=group, BLOCK_SIZE=k_cache.shape[1], TILE_N=TILE_N,
+        BLOCK_D=triton.next_power_of_2(head_dim), HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # no TF32 for fp32
+    )
+
+    # A batch with more q rows than sequences has a prefill chunk: no need to ask the device.
+    if force_split or (force_split is None and num_tokens == num_seqs):
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seq_lens.max())
+        if force_split and max_seqlen_q > 1:
+            allowed = "only for batches whose every q_len is <= 1"
+            raise InvalidArgumentError("force_split", force_split, allowed)
+        visible = min(max_seqlen_k, sliding_window or max_seqlen_k)
+        sms = _num_sms(q.device)
+        rule = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_q, visible, sms)
+        if force_split or rule > 1:
+            splits = num_splits or max(2, rule)
+            _split_decode(out, common, num_seqs, num_q_heads, num_kv_heads, splits, visible)
+            return
+
+    # Decode rows need few q rows per program; prefill chunks fill bigger tiles.
+    decode_only = (max_seqlen_q or (2 if num_tokens > num_seqs else 1)) == 1
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        **common, out_ptr=out, num_seqs=num_seqs,
+        stride_ot=out.stride(0), stride_oh=out.stride(1), BLOCK_M=block_m, BLOCK_Q=block_q,
+    )
+
+
+def _split_decode(
+    out: torch.Tensor, common: dict, num_seqs: int, num_q_heads: int, num_kv_heads: int,
+    splits: int, visible: int,
+) -> None:
+    """Flash-decoding: partial results per split, then a log-sum-exp merge into `out`.
+
+    Scratch (fp32): partial_out [S, Hq, splits, D] and partial_lse [S, Hq, splits].
+    Split s of sequence i covers visible keys [lo + s * split_len, lo + (s+1) * split_len),
+    lo being the window's first key; split_len is a multiple of TILE_N.
+    """
+    head_dim = common["head_dim"]
+    scratch = dict(dtype=torch.float32, device=out.device)
+    partial_out = torch.empty(num_seqs, num_q_heads, splits, head_dim, **scratch)
+    partial_lse = torch.empty(num_seqs, num_q_heads, splits, **scratch)
+    split_len = triton.cdiv(triton.cdiv(visible, splits), TILE_N) * TILE_N
+    strides = dict(
+        stride_ps=partial_out.stride(0), stride_ph=partial_out.stride(1),
+        stride_pk=partial_out.stride(2),
+        stride_ls=partial_lse.stride(0), stride_lh=partial_lse.stride(1),
+    )
+    _split_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        **common, **strides, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse,
+        split_len=split_len, BLOCK_M=max(16, triton.next_power_of_2(common["GROUP"])),
+    )
+    _split_reduce_kernel[(num_seqs, num_q_heads)](
+        **strides, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse, out_ptr=out,
+        cu_seqlens_q_ptr=common["cu_seqlens_q_ptr"], num_splits=splits, head_dim=head_dim,
+        stride_ot=out.stride(0), stride_oh=out.stride(1),
+        BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_D=common["BLOCK_D"],
+    )

@@ -1,0 +1,114 @@
+"""Building blocks of Llama-family models: RMSNorm, rotary embedding, packed linears.
+
+Packed linears hold several Hugging Face projections in one weight (q/k/v, gate/up) so
+each layer does one matmul where HF does three. Every parameter gets a `weight_loader`
+that knows where a named HF tensor goes inside it; the model file stays free of slicing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) where W stacks named parts along the output dim, e.g. q|k|v."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__()
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in parts.items():
+            self.offsets[name] = (start, size)
+            start += size
+        self.weight = nn.Parameter(torch.empty(start, in_features))
+        self.bias = nn.Parameter(torch.zeros(start)) if bias else None
+        self.weight.weight_loader = self._load
+        if self.bias is not None:
+            self.bias.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
+        start, size = self.offsets[part]
+        param.data[start : start + size].copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for the config's RoPE type (default, linear, llama3)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:  # transformers 4 style configs
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    base = float(params.get("rope_theta") or 10000.0)
+    dim = head_dim_of(config)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    elif rope_type != "default":
+        from kvray.errors import UnsupportedArchitectureError
+
+        raise UnsupportedArchitectureError(
+            "rope_parameters.rope_type", rope_type, "one of default, linear, llama3"
+        )
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies HF's non-interleaved ("rotate half") RoPE at arbitrary token positions."""
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # Plain attributes, not buffers: `model.to(bf16)` must not round the tables.
+        self.cos = freqs.cos()  # fp32 [P, D/2]
+        self.sin = freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,59 @@
+"""Resolves the `model` argument to a folder and builds a loaded kvray model from it."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from kvray.errors import UnknownModelError
+from kvray.models.fetch import ALIASES, fetch_alias
+from kvray.models.registry import model_class
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def resolve_model_path(model: str) -> Path:
+    """An alias, a local Hugging Face folder, or a hub id (fetched with huggingface_hub)."""
+    if model in ALIASES:
+        return fetch_alias(model)
+    if os.path.isdir(model):
+        return Path(model)
+    allowed = f"an alias in {sorted(ALIASES)}, a local Hugging Face folder, or a hub id"
+    if not _HUB_ID.match(model):
+        raise UnknownModelError("model", model, allowed)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+    except Exception as e:  # network refused, repository missing, ...
+        raise UnknownModelError("model", model, f"{allowed} (hub fetch failed: {type(e).__name__})") from e
+
+
+def load_config(path: Path):
+    return AutoConfig.from_pretrained(path)
+
+
+def iter_safetensors(path: Path):
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnknownModelError("model", str(path), "a folder holding *.safetensors weights")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(config, path: Path | None, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """Instantiate the architecture's class and load weights (random init when path is None)."""
+    cls = model_class(config)
+    with torch.device(device):
+        model = cls(config, max_positions)
+    if path is not None:
+        model.load_weights(iter_safetensors(path))
+    model.to(dtype)
+    return model.eval().requires_grad_(False)

