@@ -24,7 +24,8 @@ class IncrementalDetokenizer:
     read_offset: int = 0
 
     def __post_init__(self):
-        self.special_ids = set(self.tokenizer.all_special_ids) if self.skip_special_tokens else set()
+        skip = self.skip_special_tokens and self.tokenizer is not None
+        self.special_ids = set(self.tokenizer.all_special_ids) if skip else set()
 
     def _decode(self, ids: list[int]) -> str:
         ids = [t for t in ids if t not in self.special_ids]

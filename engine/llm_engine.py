@@ -23,7 +23,7 @@ from kvray.engine.request import Request, RequestStatus, SampleGroup
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Scheduler
 from kvray.errors import InvalidArgumentError
-from kvray.models.loader import build_model, load_config, resolve_model_path
+from kvray.models.loader import build_model, load_config, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,7 @@ class LLMEngine:
             model_path = resolve_model_path(config.model)
             hf_config = load_config(model_path)
             if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(model_path)
+                tokenizer = load_tokenizer(model_path)
         self.hf_config = hf_config
         self.tokenizer = tokenizer
         self.max_model_len = self._max_model_len(hf_config)

@@ -1,8 +1,8 @@
 """Batched token sampling: penalties, temperature, min-p, top-k, top-p, per-request seeds.
 
-All requests of a step are sampled in one pass over a [B, V] logits tensor. Sampling is
-Gumbel-max style (argmax of p / q with q ~ Exp(1)), so a request with a seed draws its
-noise from its own generator and gets the same tokens whatever else is in the batch.
+All requests of a step are sampled in one pass over a [B, V] logits tensor. Rows without
+a seed share one batched `multinomial` draw; a request with a seed draws from its own
+generator, so it gets the same tokens whatever else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits), as in vLLM.
 """
 
@@ -40,7 +40,7 @@ class Sampler:
         if bool(greedy.all()):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, requests, greedy)
+            tokens = self._sample(logits, requests)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, token_list, params))
 
@@ -68,19 +68,22 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor):
+    def _sample(self, logits: torch.Tensor, requests: list[Request]):
         params = [r.sampling_params for r in requests]
         device = logits.device
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
         probs = (logits / temps[:, None]).softmax(dim=-1)
         probs = _filter_min_p(probs, [p.min_p for p in params])
         probs = _filter_top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
-        noise = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(requests):
-            if r.sampling_params.seed is not None and not r.sampling_params.greedy:
-                noise[i].exponential_(generator=self._generator(r, device))
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = logits.argmax(dim=-1)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        free = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
+        if free:
+            rows = torch.tensor(free, device=device)
+            sampled[rows] = torch.multinomial(probs[rows], 1).squeeze(1)
+        for i in seeded:
+            sampled[i] = torch.multinomial(probs[i], 1, generator=self._generator(requests[i], device))[0]
+        return sampled
 
     def _generator(self, r: Request, device: torch.device) -> torch.Generator:
         g = self.generators.get(r.request_id)

@@ -26,8 +26,9 @@ from kvray.kernels.reference import context_mask
 @dataclass
 class _DecodePlan:
     rows: torch.Tensor  # int64 [Sd]: q rows of the decode sequences
-    slots: torch.Tensor  # int64 [Sd, L]: cache slots of each context position (padded)
-    mask: torch.Tensor  # bool [Sd, 1, 1, L]
+    blocks: torch.Tensor  # int64 [Sd * nb]: their block tables, flattened (padded with 0)
+    bias: torch.Tensor  # fp32 [Sd, 1, nb * block_size]: 0 where a key exists, -inf past the end
+    lens: torch.Tensor  # int64 [Sd, 1, 1]: context lengths (for sliding windows)
     rows_are_prefix: bool  # rows == arange(Sd): slice instead of gather
 
 
@@ -60,16 +61,16 @@ class TorchBackend(AttentionBackend):
         decode = None
         if decode_seqs:
             lens = torch.tensor([meta.seq_lens_host[i] for i in decode_seqs])
-            width = int(lens.max())
-            pos = torch.arange(width)
-            tables = block_tables[decode_seqs][:, : (width + meta.block_size - 1) // meta.block_size]
-            slots = tables[:, pos // meta.block_size].long() * meta.block_size + pos % meta.block_size
-            mask = pos[None, :] < lens[:, None]
+            num_blocks = (int(lens.max()) + meta.block_size - 1) // meta.block_size
+            pos = torch.arange(num_blocks * meta.block_size)
+            bias = torch.zeros(len(decode_seqs), 1, len(pos))
+            bias.masked_fill_(pos[None, None, :] >= lens[:, None, None], float("-inf"))
             rows = torch.tensor([starts[i] for i in decode_seqs])
             decode = _DecodePlan(
                 rows=rows.to(device),
-                slots=slots.to(device),
-                mask=mask[:, None, None, :].to(device),
+                blocks=block_tables[decode_seqs][:, :num_blocks].reshape(-1).long().to(device),
+                bias=bias.to(device),
+                lens=lens.view(-1, 1, 1).to(device),
                 rows_are_prefix=bool(torch.equal(rows, torch.arange(len(decode_seqs)))),
             )
         prefills = []
@@ -93,18 +94,10 @@ class TorchBackend(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         plan: _Plan = meta.plan
         out = torch.empty_like(q)
-        group = q.shape[1] // num_kv_heads
         if plan.decode is not None:
             d = plan.decode
             qd = q[: len(d.rows)] if d.rows_are_prefix else q[d.rows]
-            qd = qd.view(-1, num_kv_heads, group, head_dim)  # [Sd, Hkv, G, D]
-            kd = flat_k[d.slots].transpose(1, 2)  # [Sd, Hkv, L, D]
-            vd = flat_v[d.slots].transpose(1, 2)
-            mask = d.mask
-            if sliding_window is not None:
-                mask = mask & self._window_mask(d, sliding_window)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
-            od = od.reshape(-1, q.shape[1], head_dim)
+            od = _decode_attention(qd, k_cache, v_cache, d, scale, sliding_window)
             if d.rows_are_prefix:
                 out[: len(d.rows)] = od
             else:
@@ -112,12 +105,6 @@ class TorchBackend(AttentionBackend):
         for p in plan.prefills:
             out[p.lo : p.hi] = self._prefill(q, k, v, flat_k, flat_v, p, scale, sliding_window)
         return out
-
-    @staticmethod
-    def _window_mask(d: _DecodePlan, window: int) -> torch.Tensor:
-        lens = d.mask.sum(-1, keepdim=True)  # [Sd, 1, 1, 1]
-        pos = torch.arange(d.mask.shape[-1], device=d.mask.device)
-        return pos > lens - 1 - window
 
     @staticmethod
     def _prefill(q, k, v, flat_k, flat_v, p: _PrefillPlan, scale, sliding_window):
@@ -140,3 +127,32 @@ class TorchBackend(AttentionBackend):
             enable_gqa=True,
         )
         return o.transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, d: _DecodePlan, scale: float, sliding_window):
+    """One query token per sequence: q [Sd, Hq, D] -> [Sd, Hq, D].
+
+    K/V are gathered a whole block at a time into [Sd, L, Hkv*D] (their natural layout,
+    no transpose). With few KV heads, each query head's vector is placed in its KV
+    head's slot of a block-diagonal [Hq, Hkv*D] matrix, so one batched matmul against
+    all heads' keys yields every head's scores; the off-diagonal products are discarded.
+    That costs Hkv x the (tiny) attention FLOPs but moves K/V through memory only once,
+    which is what a decode step on a CPU is bound by.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    keys = k_cache.index_select(0, d.blocks).view(num_seqs, -1, num_kv_heads * head_dim)
+    values = v_cache.index_select(0, d.blocks).view(num_seqs, -1, num_kv_heads * head_dim)
+    bias = d.bias
+    if sliding_window is not None:
+        pos = torch.arange(bias.shape[-1], device=bias.device)
+        bias = bias.masked_fill(pos <= d.lens - 1 - sliding_window, float("-inf"))
+    eye = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device)
+    q4 = q.view(num_seqs, num_kv_heads, group, 1, head_dim)
+    q_bd = (q4 * eye.view(1, num_kv_heads, 1, num_kv_heads, 1)).view(num_seqs, num_q_heads, -1)
+    scores = torch.matmul(q_bd, keys.transpose(1, 2)).float() * scale + bias  # [Sd, Hq, L]
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    o = torch.matmul(probs, values).view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
+    o = torch.diagonal(o, dim1=1, dim2=3)  # [Sd, G, D, Hkv]
+    return o.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, head_dim)

@@ -35,6 +35,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from kvray.errors import InvalidArgumentError
 
 LOG2E = 1.4426950408889634
@@ -52,9 +53,9 @@ def _attend_tiles(
     q_pos,  # [BLOCK_M] int32 absolute position of each row; -1 for padding rows
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_table_ptr,  # int32 [max_blocks]: this sequence's row of block_tables
-    kv_head, key_lo, key_hi,  # scan context positions [key_lo, key_hi)
-    qk_scale, window, head_dim,
-    stride_cb, stride_co, stride_ch,
+    kv_head, key_lo, key_hi,  # scan context positions [key_lo, key_hi) of this KV head
+    qk_scale, window, head_dim,  # scale * log2(e); sliding window (if HAS_WINDOW); real D
+    stride_cb, stride_co, stride_ch,  # cache strides (block, offset, head)
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -107,9 +108,9 @@ def _unified_attention_kernel(
     cu_seqlens_q_ptr,  # int32 [S+1]
     seq_lens_ptr,  # int32 [S]
     block_tables_ptr,  # int32 [S, max_blocks]
-    qk_scale, window, num_seqs, head_dim,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_co, stride_ch, stride_bt,
+    qk_scale, window, num_seqs, head_dim,  # scale * log2(e); window or 0; S; real D
+    stride_qt, stride_qh, stride_ot, stride_oh,  # q / out strides (token, head)
+    stride_cb, stride_co, stride_ch, stride_bt,  # cache (block, offset, head); table row
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -162,9 +163,9 @@ def _split_decode_kernel(
     cu_seqlens_q_ptr,  # int32 [S+1]
     seq_lens_ptr,  # int32 [S]
     block_tables_ptr,  # int32 [S, max_blocks]
-    qk_scale, window, head_dim, split_len,
+    qk_scale, window, head_dim, split_len,  # split_len: keys per split, multiple of TILE_N
     stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
-    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
+    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,  # partial_out (3), partial_lse (2)
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -214,7 +215,8 @@ def _split_reduce_kernel(
     out_ptr,  # [T, Hq, D]
     cu_seqlens_q_ptr,  # int32 [S+1]
     num_splits, head_dim,
-    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_ot, stride_oh,
+    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,  # partial_out (3), partial_lse (2)
+    stride_ot, stride_oh,  # out strides (token, head)
     BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata, register_backend
 from kvray.kernels.triton_attention import unified_attention
 from kvray.kernels.triton_cache import reshape_and_cache

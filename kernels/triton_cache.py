@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kvray.errors import InvalidArgumentError
 
 

@@ -38,6 +38,15 @@ def load_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
+def load_tokenizer(path: Path):
+    """The folder's Hugging Face tokenizer, or None for a weights-only folder (token-id prompts)."""
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def iter_safetensors(path: Path):
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -2,8 +2,10 @@
 
 Without CUDA the kernels run under the Triton interpreter (set before any kernel module is
 imported); bf16 arithmetic is wrong there, so bf16 is checked only by the `gpu` tests.
-Error bound: max |out - ref| / max |ref| per dtype (REL_TOL). `out` is filled with NaN
-before every call, so a row the kernel forgets to write fails the check.
+Error bound: max |out - ref| / max |ref| per dtype (REL_TOL): fp32 2e-5, fp16 2e-3, bf16
+1.6e-2. Measured under the interpreter: fp32 <= 3e-7, fp16 <= 3.5e-4 (fp16 rounding of the
+softmax weights and of the output). `out` is filled with NaN before every call, so a row
+the kernel forgets to write fails the check.
 """
 
 import os

@@ -8,8 +8,8 @@ with transformers' generate on that prompt alone.
 from __future__ import annotations
 
 import pytest
-
 from conftest import assert_no_leaks, hf_greedy
+
 from kvray.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
