@@ -1,9 +1,10 @@
 """The async engine: the engine's step loop in its own thread, per-request output streams.
 
-Callers on an asyncio loop `generate(...)` and iterate cumulative RequestOutputs as the
-loop produces them; leaving the iteration early (or cancelling) aborts the request and
-frees its blocks. Only the loop thread touches the engine: callers validate their input
-up front (so errors raise in the caller) and hand the rest over through a command queue.
+Callers on an asyncio loop `add_request(...)` (or `generate(...)`) and iterate cumulative
+RequestOutputs as the loop produces them; leaving `generate` early (or cancelling it)
+aborts the request and frees its blocks. Only the loop thread touches the engine (and
+its tokenizer): callers hand commands over through a queue and await the answer, so a
+bad request raises in the caller and never disturbs the requests already running.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from concurrent.futures import Future
 
 from kvray.engine.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptInput
@@ -21,13 +22,30 @@ from kvray.engine.outputs import RequestOutput
 from kvray.engine.sampling_params import SamplingParams
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # RequestOutput | BaseException
+class OutputStream:
+    """One request's outputs, fed from the loop thread; iterate it with `async for`."""
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # any thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
 
 
 class AsyncLLM:
@@ -35,7 +53,7 @@ class AsyncLLM:
         self.engine = LLMEngine(config, **engine_kwargs)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
         self._thread.start()
@@ -43,6 +61,23 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> OutputStream:
+        """Queue a request; raises the engine's validation error here, in the caller."""
+        if self._stopped:
+            raise RuntimeError("AsyncLLM is shut down")
+        stream = OutputStream(request_id, asyncio.get_running_loop())
+        accepted: Future = Future()
+        self._send(("add", stream, prompt, sampling_params, priority, deadline, accepted))
+        await asyncio.wrap_future(accepted)
+        return stream
 
     async def generate(
         self,
@@ -52,30 +87,18 @@ class AsyncLLM:
         priority: int = 0,
         deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes (last one has finished=True)."""
-        if self._stopped:
-            raise RuntimeError("AsyncLLM is shut down")
-        request_id = request_id or uuid.uuid4().hex
-        _, ids = self.engine.tokenize(prompt)
-        self.engine.validate(ids, sampling_params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, sampling_params, priority, deadline))
-        finished = False
+        """Yield cumulative outputs until the request finishes (the last has finished=True)."""
+        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, sampling_params,
+                                        priority, deadline)
         try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for out in stream:
+                yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id))
+            if not stream.finished:
+                self.abort(stream.request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; its stream ends with a finished `abort` output."""
+        """Abort from any thread; the stream ends with a finished `abort` output."""
         self._send(("abort", request_id))
 
     def _send(self, command: tuple) -> None:
@@ -104,28 +127,31 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, prompt, params, priority, deadline = command
+                _, stream, prompt, params, priority, deadline, accepted = command
                 try:
-                    self.engine.add_request(rid, prompt, params, priority=priority, deadline=deadline)
+                    self.engine.add_request(stream.request_id, prompt, params, priority=priority,
+                                            deadline=deadline)
                 except Exception as e:
-                    self._deliver(rid, e)
+                    accepted.set_exception(e)
+                    continue
+                self._streams[stream.request_id] = stream
+                accepted.set_result(None)
             else:
                 self._publish(self.engine.abort_request([command[1]]))
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._deliver(out.request_id, out)
-
-    def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
 
     def _fail_all(self, error: Exception) -> None:
-        ids = list(self.engine.outputs.tracked)
-        self.engine.abort_request(ids)
-        for rid in ids:
-            self._deliver(rid, error)
+        self.engine.abort_request(list(self.engine.outputs.tracked))
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -73,10 +73,13 @@ class LLM:
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         engine = self.engine
+        prepared = []
         for prompt, p in zip(prompts, params):
-            engine.validate(engine.tokenize(prompt)[1], p)
+            text, token_ids = engine.tokenize(prompt)
+            engine.validate(token_ids, p)
+            prepared.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = [str(next(self._ids)) for _ in prompts]
-        for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
+        for rid, prompt, p, prio in zip(ids, prepared, params, priorities):
             engine.add_request(rid, prompt, p, priority=prio)
         return self._run(ids)
 

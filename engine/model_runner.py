@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvray.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from kvray.engine.cpu_allocator import keep_freed_memory_in_heap
 from kvray.engine.sampler import Sampler, SamplerOutput
 from kvray.engine.scheduler import SchedulerOutput
 from kvray.errors import InvalidArgumentError
@@ -46,6 +47,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        if device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.backend = get_backend(config.attention_backend, device)
         self.sampler = Sampler(hf_config.vocab_size)
         self.num_layers = hf_config.num_hidden_layers

@@ -1,7 +1,9 @@
 """Batched token sampling: penalties, temperature, min-p, top-k, top-p, per-request seeds.
 
-All requests of a step are sampled in one pass over a [B, V] logits tensor. Rows without
-a seed share one batched `multinomial` draw; a request with a seed draws from its own
+All requests of a step are sampled in one pass over a [B, V] logits tensor, by inverting
+each row's CDF at one uniform draw (one random number per row: on a CPU, drawing a
+[B, V] noise tensor as `multinomial` does costs more than the model's matmuls). Rows
+without a seed share one batched draw; a request with a seed draws from its own
 generator, so it gets the same tokens whatever else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits), as in vLLM.
 """
@@ -75,15 +77,17 @@ class Sampler:
         probs = (logits / temps[:, None]).softmax(dim=-1)
         probs = _filter_min_p(probs, [p.min_p for p in params])
         probs = _filter_top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
-        sampled = logits.argmax(dim=-1)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
-        free = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
-        if free:
-            rows = torch.tensor(free, device=device)
-            sampled[rows] = torch.multinomial(probs[rows], 1).squeeze(1)
-        for i in seeded:
-            sampled[i] = torch.multinomial(probs[i], 1, generator=self._generator(requests[i], device))[0]
-        return sampled
+        uniform = torch.rand(len(params), 1, device=device)
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.greedy:
+                uniform[i] = torch.rand(1, device=device, generator=self._generator(requests[i], device))
+        cdf = probs.cumsum(dim=-1)
+        target = uniform * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        # never land on a zero-probability token through rounding at the top of the CDF
+        sampled = torch.minimum(sampled, (probs > 0).cumsum(-1).argmax(-1))
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def _generator(self, r: Request, device: torch.device) -> torch.Generator:
         g = self.generators.get(r.request_id)
