@@ -19,71 +19,24 @@ of one sequence times the GROUP = Hq // Hkv query heads sharing that KV head, i.
 BLOCK_M = BLOCK_Q * GROUP rows, so each K/V tile is loaded once for the whole group.
 Sequence i's q blocks are numbered from cu_seqlens_q[i] // BLOCK_Q + i; that needs no
 host-side table, and T // BLOCK_Q + S programs per head cover every batch (programs past
-their sequence's last token exit at once). The KV loop is an online softmax (base 2)
-over tiles of TILE_N context positions, each position looked up in the block table.
+their sequence's last token exit at once). The KV loop (`triton_attend.attend_tiles`) is
+an online softmax (base 2) over tiles of TILE_N context positions, each position looked
+up in the block table.
 
-Split path (flash-decoding, decode-only batches): one program per (sequence, KV head,
-split); split s covers an equal share of the visible context and writes its normalised
-partial output and log-sum-exp; a reduce program per (sequence, query head) merges them.
-The rule that picks it is `choose_num_splits`.
+Split path (flash-decoding, decode-only batches, `triton_decode_split`): each sequence's
+context is shared out over several programs whose partial results a reduce kernel
+merges. `triton_decode_split.choose_num_splits` is the rule that picks it.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from kvray.errors import InvalidArgumentError
-
-LOG2E = 1.4426950408889634
-TILE_N = 32  # context positions per KV tile (any block size works: positions are looked up)
-SPLIT_MIN_CONTEXT = 512  # below this many visible keys the plain path is fast enough
-SPLIT_MIN_KEYS = 256  # each split gets at least this many keys
-MAX_SPLITS = 32
-ASSUMED_NUM_SMS = 132  # off-GPU (interpreter) stand-in for the SM count (H100/H200)
-
-
-@triton.jit
-def _attend_tiles(
-    acc, m_i, l_i,  # [BLOCK_M, BLOCK_D], [BLOCK_M], [BLOCK_M] fp32 running softmax state
-    q,  # [BLOCK_M, BLOCK_D] query rows (compute dtype)
-    q_pos,  # [BLOCK_M] int32 absolute position of each row; -1 for padding rows
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    block_table_ptr,  # int32 [max_blocks]: this sequence's row of block_tables
-    kv_head, key_lo, key_hi,  # scan context positions [key_lo, key_hi) of this KV head
-    qk_scale, window, head_dim,  # scale * log2(e); sliding window (if HAS_WINDOW); real D
-    stride_cb, stride_co, stride_ch,  # cache strides (block, offset, head)
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    for start in range(key_lo, key_hi, TILE_N):
-        k_pos = start + tl.arange(0, TILE_N)
-        k_ok = k_pos < key_hi
-        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        base = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        k_t = tl.load(k_cache_ptr + base[None, :] + dims[:, None],  # [BLOCK_D, TILE_N]
-                      mask=dim_ok[:, None] & k_ok[None, :], other=0.0)
-        s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, TILE_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base[:, None] + dims[None, :],  # [TILE_N, BLOCK_D]
-                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
+from kvray.kernels import triton_decode_split
+from kvray.kernels.triton_attend import LOG2E, TILE_N, attend_tiles
 
 
 @triton.jit
@@ -143,7 +96,7 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(
+    acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, key_lo, key_hi,
         qk_scale, window, head_dim, stride_cb, stride_co, stride_ch,
@@ -152,117 +105,6 @@ def _unified_attention_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _split_decode_kernel(
-    q_ptr,  # [T, Hq, D]; every sequence has q_len <= 1
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    partial_out_ptr,  # fp32 [S, Hq, num_splits, D]: split's output, already normalised
-    partial_lse_ptr,  # fp32 [S, Hq, num_splits]: split's log2-sum-exp2 (-inf if empty)
-    cu_seqlens_q_ptr,  # int32 [S+1]
-    seq_lens_ptr,  # int32 [S]
-    block_tables_ptr,  # int32 [S, max_blocks]
-    qk_scale, window, head_dim, split_len,  # split_len: keys per split, multiple of TILE_N
-    stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
-    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,  # partial_out (3), partial_lse (2)
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_lo = 0
-    if HAS_WINDOW:
-        ctx_lo = tl.maximum(seq_len - window, 0)
-    key_lo = ctx_lo + split * split_len
-    key_hi = tl.minimum(key_lo + split_len, seq_len)
-
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP
-    head = kv_head * GROUP + rows
-    dims = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (dims < head_dim)[None, :]
-    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
-                + dims[None, :], mask=mask, other=0.0)
-    q_pos = tl.where(row_ok, seq_len - 1, -1)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, key_lo, key_hi,
-        qk_scale, window, head_dim, stride_cb, stride_co, stride_ch,
-        BLOCK_SIZE, TILE_N, BLOCK_D, HAS_WINDOW, DOT_PRECISION,
-    )
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
-    part = seq * stride_ps + head * stride_ph + split * stride_pk
-    tl.store(partial_out_ptr + part[:, None] + dims[None, :], acc / l_safe[:, None], mask=mask)
-    tl.store(partial_lse_ptr + seq * stride_ls + head * stride_lh + split, lse, mask=row_ok)
-
-
-@triton.jit
-def _split_reduce_kernel(
-    partial_out_ptr,  # fp32 [S, Hq, num_splits, D]
-    partial_lse_ptr,  # fp32 [S, Hq, num_splits]
-    out_ptr,  # [T, Hq, D]
-    cu_seqlens_q_ptr,  # int32 [S+1]
-    num_splits, head_dim,
-    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,  # partial_out (3), partial_lse (2)
-    stride_ot, stride_oh,  # out strides (token, head)
-    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:
-        return
-    splits = tl.arange(0, BLOCK_SPLITS)
-    split_ok = splits < num_splits
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    lse = tl.load(partial_lse_ptr + seq * stride_ls + head * stride_lh + splits,
-                  mask=split_ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_SPLITS]; empty splits weigh 0
-    part = seq * stride_ps + head * stride_ph + splits[:, None] * stride_pk + dims[None, :]
-    o = tl.load(partial_out_ptr + part, mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
-    o = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
-             o.to(out_ptr.dtype.element_ty), mask=dim_ok)
-
-
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return ASSUMED_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_visible_keys: int, num_sms: int
-) -> int:
-    """Splits per sequence for the split-KV decode path; 1 means use the plain path.
-
-    Split only when all of these hold:
-    * the batch is decode-only (max_seqlen_q == 1);
-    * the plain path would leave SMs idle: num_seqs * num_kv_heads < num_sms;
-    * some sequence sees at least SPLIT_MIN_CONTEXT keys (window applied).
-    Then aim at about two programs per SM, with at least SPLIT_MIN_KEYS keys per split
-    and at most MAX_SPLITS splits: min(cdiv(2 * num_sms, num_seqs * num_kv_heads),
-    max_visible_keys // SPLIT_MIN_KEYS, MAX_SPLITS).
-    """
-    programs = num_seqs * num_kv_heads
-    if max_seqlen_q != 1 or programs >= num_sms or max_visible_keys < SPLIT_MIN_CONTEXT:
-        return 1
-    by_sms = triton.cdiv(2 * num_sms, programs)
-    return max(1, min(by_sms, max_visible_keys // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
 def unified_attention(
@@ -338,11 +180,12 @@ def unified_attention(
             allowed = "only for batches whose every q_len is <= 1"
             raise InvalidArgumentError("force_split", force_split, allowed)
         visible = min(max_seqlen_k, sliding_window or max_seqlen_k)
-        sms = _num_sms(q.device)
-        rule = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_q, visible, sms)
+        rule = triton_decode_split.choose_num_splits(
+            num_seqs, num_kv_heads, max_seqlen_q, visible, triton_decode_split.num_sms(q.device))
         if force_split or rule > 1:
             splits = num_splits or max(2, rule)
-            _split_decode(out, common, num_seqs, num_q_heads, num_kv_heads, splits, visible)
+            triton_decode_split.split_decode(
+                out, common, num_seqs, num_q_heads, num_kv_heads, splits, visible)
             return
 
     # Decode rows need few q rows per program; prefill chunks fill bigger tiles.
@@ -353,36 +196,4 @@ def unified_attention(
     _unified_attention_kernel[grid](
         **common, out_ptr=out, num_seqs=num_seqs,
         stride_ot=out.stride(0), stride_oh=out.stride(1), BLOCK_M=block_m, BLOCK_Q=block_q,
-    )
-
-
-def _split_decode(
-    out: torch.Tensor, common: dict, num_seqs: int, num_q_heads: int, num_kv_heads: int,
-    splits: int, visible: int,
-) -> None:
-    """Flash-decoding: partial results per split, then a log-sum-exp merge into `out`.
-
-    Scratch (fp32): partial_out [S, Hq, splits, D] and partial_lse [S, Hq, splits].
-    Split s of sequence i covers visible keys [lo + s * split_len, lo + (s+1) * split_len),
-    lo being the window's first key; split_len is a multiple of TILE_N.
-    """
-    head_dim = common["head_dim"]
-    scratch = dict(dtype=torch.float32, device=out.device)
-    partial_out = torch.empty(num_seqs, num_q_heads, splits, head_dim, **scratch)
-    partial_lse = torch.empty(num_seqs, num_q_heads, splits, **scratch)
-    split_len = triton.cdiv(triton.cdiv(visible, splits), TILE_N) * TILE_N
-    strides = dict(
-        stride_ps=partial_out.stride(0), stride_ph=partial_out.stride(1),
-        stride_pk=partial_out.stride(2),
-        stride_ls=partial_lse.stride(0), stride_lh=partial_lse.stride(1),
-    )
-    _split_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        **common, **strides, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse,
-        split_len=split_len, BLOCK_M=max(16, triton.next_power_of_2(common["GROUP"])),
-    )
-    _split_reduce_kernel[(num_seqs, num_q_heads)](
-        **strides, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse, out_ptr=out,
-        cu_seqlens_q_ptr=common["cu_seqlens_q_ptr"], num_splits=splits, head_dim=head_dim,
-        stride_ot=out.stride(0), stride_oh=out.stride(1),
-        BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_D=common["BLOCK_D"],
     )

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvray.kernels import triton_attention, triton_cache  # noqa: E402
+from kvray.kernels import triton_attention, triton_cache, triton_decode_split  # noqa: E402
 from kvray.kernels.backend import AttentionMetadata, get_backend  # noqa: E402
 from kvray.kernels.reference import unified_attention_ref  # noqa: E402
 
@@ -32,7 +32,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # Another test module may have imported the kernels before the interpreter was switched
     # on: decorate them again (dependants after what they import) and drop cached names.
     if type(triton_attention._unified_attention_kernel).__name__ != "InterpretedFunction":
-        for name in ("triton_cache", "triton_attention", "triton_backend"):
+        for name in ("triton_cache", "triton_attend", "triton_decode_split", "triton_attention",
+                     "triton_backend"):
             if f"kvray.kernels.{name}" in sys.modules:
                 importlib.reload(sys.modules[f"kvray.kernels.{name}"])
         for name in ("reshape_and_cache", "unified_attention"):
@@ -169,8 +170,8 @@ def test_decode_split_and_plain(num_kv_heads, group, head_dim, block_size, dtype
 
 def test_decode_auto_rule_takes_split_path(monkeypatch):
     calls = []
-    real = triton_attention._split_decode
-    monkeypatch.setattr(triton_attention, "_split_decode", lambda *a: calls.append(a) or real(*a))
+    real = triton_decode_split.split_decode
+    monkeypatch.setattr(triton_decode_split, "split_decode", lambda *a: calls.append(a) or real(*a))
     batch = make_batch(q_lens=[1], seq_lens=[600], num_kv_heads=1, group=2, head_dim=64,
                        block_size=32, dtype=torch.float32)
     run_and_check(batch, 0.125, None, torch.float32)
@@ -178,7 +179,7 @@ def test_decode_auto_rule_takes_split_path(monkeypatch):
 
 
 def test_choose_num_splits_rule():
-    choose = triton_attention.choose_num_splits
+    choose = triton_decode_split.choose_num_splits
     assert choose(1, 8, 1, 4096, 132) == 16  # cdiv(264, 8)=33, 4096 // 256 = 16
     assert choose(4, 8, 1, 100_000, 132) == 9  # cdiv(264, 32) = 9
     assert choose(1, 1, 1, 100_000, 132) == 32  # capped at MAX_SPLITS
@@ -274,7 +275,7 @@ def test_package_imports_without_triton():
 _AOT_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
-from kvray.kernels import triton_attention as ta, triton_cache as tc
+from kvray.kernels import triton_attention as ta, triton_cache as tc, triton_decode_split as ts
 INT_PTRS = {"cu_seqlens_q_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
             "slot_mapping_ptr": "*i64", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
 def compile_for_sm90(fn, dtype, consts):
@@ -294,8 +295,8 @@ for block_m in (16, 64):
     compile_for_sm90(ta._unified_attention_kernel, "fp16", consts)
 compile_for_sm90(ta._unified_attention_kernel, "fp32",
                  dict(attn, GROUP=3, BLOCK_M=16, BLOCK_Q=5, HAS_WINDOW=False, DOT_PRECISION="ieee"))
-compile_for_sm90(ta._split_decode_kernel, "bf16", dict(attn, GROUP=8, BLOCK_M=16))
-compile_for_sm90(ta._split_reduce_kernel, "bf16", dict(BLOCK_SPLITS=8, BLOCK_D=128))
+compile_for_sm90(ts._split_decode_kernel, "bf16", dict(attn, GROUP=8, BLOCK_M=16))
+compile_for_sm90(ts._split_reduce_kernel, "bf16", dict(BLOCK_SPLITS=8, BLOCK_D=128))
 compile_for_sm90(tc._reshape_and_cache_kernel, "fp16", dict(BLOCK_H=8, BLOCK_D=128))
 """
 
