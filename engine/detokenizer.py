@@ -44,12 +44,16 @@ class IncrementalDetokenizer:
         return None
 
     def _check_stop(self, new_chars: int) -> str | None:
+        """Cut the text at the earliest stop string that the new characters completed."""
+        found = None  # (index, stop)
         for stop in self.stop_strings:
             # the stop string may straddle the new text and the old tail
             start = max(len(self.text) - new_chars - len(stop) + 1, 0)
             idx = self.text.find(stop, start)
-            if idx != -1:
-                end = idx + len(stop) if self.include_stop_str_in_output else idx
-                self.text = self.text[:end]
-                return stop
-        return None
+            if idx != -1 and (found is None or idx < found[0]):
+                found = (idx, stop)
+        if found is None:
+            return None
+        idx, stop = found
+        self.text = self.text[: idx + len(stop) if self.include_stop_str_in_output else idx]
+        return stop

@@ -51,7 +51,7 @@ class SamplingParams:
         check_range("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         if self.max_tokens is not None:
             check_range("max_tokens", self.max_tokens, low=1)
-        check_range("min_tokens", self.min_tokens, low=0)
+        check_range("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         if self.logprobs is not None:
             check_range("logprobs", self.logprobs, low=0, high=20)
         if any(not s for s in self.stop_strings):

@@ -123,3 +123,16 @@ def test_absent_stop_string_never_fires(tok):
     detok = IncrementalDetokenizer(tok, stop_strings=["STOP", "xyz"])
     assert feed(detok, ids) == (None, len(ids))
     assert detok.text == text
+
+
+def test_earliest_stop_string_wins_when_one_piece_completes_two(tok):
+    """Both stop strings complete in the same decoded piece: the text is cut at the one
+    that starts first, whatever the order of the list."""
+    detok = IncrementalDetokenizer(tok, stop_strings=["ab", "xa"])
+    detok.text = "zzx"  # as if "zzx" had been emitted already
+    detok.token_ids = tok.encode("zzx", add_special_tokens=False)
+    detok.prefix_offset = detok.read_offset = len(detok.token_ids)
+    assert detok._check_stop(new_chars=0) is None
+    detok.text += "abc"
+    assert detok._check_stop(new_chars=3) == "xa"
+    assert detok.text == "zz"
