@@ -44,12 +44,14 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] = (), cache: bool = True
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `computed_blocks` are prefix hits for a request not yet holding blocks. Returns the
         newly allocated block ids, or None (nothing changed) when the pool cannot fit them.
+        `cache=False` leaves the blocks out of the prefix-cache index (their contents are
+        still to come, e.g. from a KV pull).
         """
         held = self.req_blocks.setdefault(request.request_id, [])
         num_hit_tokens = len(computed_blocks) * self.block_size
@@ -68,7 +70,7 @@ class KVCacheManager:
         held.extend(computed_blocks)
         new = self.pool.allocate(max(need, 0)) or []
         held.extend(new)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, total)
         return new
 
@@ -85,6 +87,15 @@ class KVCacheManager:
         """Release all the request's blocks, last first (so tail blocks are evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_hashed.pop(request.request_id, None)
+        self.pool.release(list(reversed(blocks)))
+
+    def detach(self, request: Request) -> list[int]:
+        """Take the request's blocks out of its table without releasing them (a pin)."""
+        self.num_hashed.pop(request.request_id, None)
+        return self.req_blocks.pop(request.request_id, [])
+
+    def release(self, blocks: list[int]) -> None:
+        """Release detached blocks, last first."""
         self.pool.release(list(reversed(blocks)))
 
     def block_ids(self, request_id: str) -> list[int]:

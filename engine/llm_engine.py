@@ -16,6 +16,7 @@ import torch
 
 from kvray.engine.config import EngineConfig
 from kvray.engine.kv_cache_manager import KVCacheManager
+from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
 from kvray.engine.model_runner import ModelRunner, resolve_dtype
 from kvray.engine.output_processor import OutputProcessor
 from kvray.engine.outputs import RequestOutput
@@ -62,6 +63,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = self._eos_ids(hf_config, model_path, tokenizer)
         self.last_step: StepStats | None = None
+        self.pins = PinTable()  # prefill side: prompt blocks awaiting a decode worker's pull
+        self.kv_pulls: dict[str, Request] = {}  # decode side: requests whose KV is arriving
+        self.num_kv_recomputes = 0  # decode side: pulls that failed, prompts recomputed here
+        self.pending_outputs: list[RequestOutput] = []  # produced outside step(), e.g. by adds
 
     def _max_model_len(self, hf_config) -> int:
         native = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -115,8 +120,16 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: PromptInput, params: SamplingParams,
-        priority: int = 0, deadline: float | None = None,
+        priority: int = 0, deadline: float | None = None, kv_lease: float | None = None,
     ) -> None:
+        """Queue a request. With `kv_lease` (seconds) it is a prefill for a decode worker:
+        when it finishes, its blocks stay pinned for that long (see `kv_ticket`)."""
+        samples = self._make_samples(request_id, prompt, params, priority, deadline)
+        for s in samples:
+            s.kv_lease = kv_lease
+            self.scheduler.add_request(s)
+
+    def _make_samples(self, request_id, prompt, params, priority, deadline) -> list[Request]:
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         if request_id in self.outputs.tracked:
@@ -134,8 +147,7 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.outputs.add(request_id, samples)
-        for s in samples:
-            self.scheduler.add_request(s)
+        return samples
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Finish the requests as `abort` and free their blocks now; returns final outputs."""
@@ -144,6 +156,10 @@ class LLMEngine:
             samples = self.outputs.samples_of(rid)
             if not samples:
                 continue
+            pulling = self.kv_pulls.pop(rid, None)
+            if pulling is not None:  # its blocks were reserved for a pull: give them back
+                pulling.status = RequestStatus.FINISHED_ABORTED
+                self.kv.free(pulling)
             self.scheduler.abort([s.request_id for s in samples])
             for s in samples:
                 self.runner.sampler.forget(s.request_id)
@@ -151,16 +167,18 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.kv_pulls)
 
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs of requests that moved."""
+        self.expire_kv_leases()
+        pending, self.pending_outputs = self.pending_outputs, []
         sched = self.scheduler.schedule()
         self.last_step = StepStats(sched.total_tokens, len(self.scheduler.running), len(self.scheduler.waiting))
         if not sched.requests:
-            return []
+            return pending
         tables = [self.kv.block_ids(r.request_id) for r in sched.requests]
         result = self.runner.execute(sched, tables)
         sampled = dict(zip(result.request_ids, result.sampled.token_ids))
@@ -174,8 +192,83 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             if req.finished:
                 self.runner.sampler.forget(req.request_id)
+                if req.pinned_blocks is not None:
+                    self.pins.add(req.request_id, req.pinned_blocks, time.time() + req.kv_lease,
+                                  req.num_prompt_tokens, tuple(req.block_hashes))
             touched[self.outputs.parent_of(req.request_id)] = None
-        return [self.outputs.output(rid) for rid in touched]
+        return pending + [self.outputs.output(rid) for rid in touched]
 
     def kv_cache_stats(self):
         return self.kv.stats()
+
+    # ---- disaggregation: the prefill side -----------------------------------------------
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        r = self.runner
+        return KVLayout(r.num_layers, r.block_size, r.num_kv_heads, r.head_dim, str(r.dtype).removeprefix("torch."))
+
+    def kv_ticket(self, worker_id: str, request_id: str) -> KVTicket | None:
+        """The ticket of a finished prefill (None if its blocks are not pinned)."""
+        pin = self.pins.pins.get(request_id)
+        if pin is None:
+            return None
+        return KVTicket(worker_id, request_id, tuple(pin.blocks), pin.num_tokens,
+                        pin.block_hashes[: pin.num_tokens // self.config.block_size],
+                        self.kv_layout, pin.deadline)
+
+    def release_kv(self, request_id: str) -> bool:
+        """The decode side has the blocks (or gave up): unpin them. Engine thread only."""
+        blocks = self.pins.pop(request_id)
+        if blocks is None:
+            return False
+        self.kv.release(blocks)
+        return True
+
+    def expire_kv_leases(self) -> None:
+        for rid in self.pins.expired(time.time()):
+            self.release_kv(rid)
+
+    # ---- disaggregation: the decode side ------------------------------------------------
+
+    def add_prefilled_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, first_token: int,
+        first_logprobs=None, priority: int = 0,
+    ) -> list[int] | None:
+        """Continue a request whose prompt was prefilled elsewhere and whose first token
+        was sampled there. Returns the blocks to pull the prompt's KV into, then call
+        `finish_kv_pull`; None when no pull is wanted (the first token already ended the
+        request, or no blocks are free now and the prompt is queued for recompute)."""
+        if params.n != 1:
+            raise InvalidArgumentError("n", params.n, "1 for a disaggregated request")
+        (req,) = self._make_samples(request_id, prompt, params, priority, None)
+        req.append_token(first_token)
+        stop = self.outputs.on_token(req, first_logprobs)
+        reason = RequestStatus.FINISHED_STOPPED if stop is not None else self.scheduler.stop_reason(req)
+        if reason is not None:
+            req.stop_reason = stop if stop is not None else req.stop_reason
+            req.status = reason
+            self.pending_outputs.append(self.outputs.output(request_id))
+            return None
+        # not indexed in the prefix cache until the data has arrived (finish_kv_pull)
+        blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
+        if blocks is None:  # no room right now: recompute when blocks free up
+            self.num_kv_recomputes += 1
+            self.scheduler.add_request(req)
+            return None
+        self.kv_pulls[request_id] = req
+        return blocks
+
+    def finish_kv_pull(self, request_id: str, ok: bool) -> None:
+        """The pull into the reserved blocks finished (ok) or failed (recompute here)."""
+        req = self.kv_pulls.pop(request_id, None)
+        if req is None:
+            return  # aborted meanwhile
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.kv.allocate_slots(req, 0)  # indexes the pulled full blocks for prefix reuse
+            self.scheduler.add_running(req)
+        else:
+            self.num_kv_recomputes += 1
+            self.kv.free(req)
+            self.scheduler.add_request(req)

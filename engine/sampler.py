@@ -93,6 +93,8 @@ class Sampler:
         g = self.generators.get(r.request_id)
         if g is None:
             g = torch.Generator(device=device).manual_seed(r.sampling_params.seed + r.sample_index)
+            for _ in range(r.num_output_tokens):  # tokens sampled elsewhere (a prefill worker)
+                torch.rand(1, device=device, generator=g)
             self.generators[r.request_id] = g
         return g
 

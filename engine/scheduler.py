@@ -70,6 +70,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose KV is already in its blocks (pulled from a prefill worker)."""
+        self.requests[request.request_id] = request
+        if len(self.running) < self.max_num_seqs:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            self.waiting.append(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -105,7 +114,10 @@ class Scheduler:
                 break
             if req.group is not None and req.sample_index > 0 and not req.group.prompt_done:
                 continue  # waits for sample 0 to put the prompt in the prefix cache
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if self.kv.block_ids(req.request_id):  # holds pulled KV already: no lookup
+                hits, num_hit_tokens = [], 0
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 break  # head of line waits for blocks
@@ -142,12 +154,12 @@ class Scheduler:
                 req.group.prompt_done = True
             req.append_token(sampled[req.request_id])
             advanced.append(req)
-            reason = self._stop_reason(req)
+            reason = self.stop_reason(req)
             if reason is not None:
                 self.finish(req, reason)
         return advanced
 
-    def _stop_reason(self, req: Request) -> RequestStatus | None:
+    def stop_reason(self, req: Request) -> RequestStatus | None:
         params = req.sampling_params
         token = req.output_token_ids[-1]
         if req.num_output_tokens >= params.min_tokens:
@@ -171,7 +183,10 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if req.kv_lease is not None and status is not RequestStatus.FINISHED_ABORTED:
+            req.pinned_blocks = self.kv.detach(req)  # a decode worker will pull them
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:

@@ -1,0 +1,137 @@
+"""What moves between a prefill and a decode engine: tickets, pins and packed blocks.
+
+The prefill side finishes a request after its first token but keeps the prompt's
+blocks *pinned* (still counted as used) under a lease. A `KVTicket` names them. The
+decode side pulls the blocks' contents, then confirms; the prefill side then releases the
+pin and the blocks become ordinary prefix-cache blocks. A lease that ends first releases
+them too, and a pull that comes later finds nothing and recomputes — never reading
+blocks that were reused meanwhile: a pin that is being read cannot expire.
+
+Packed layout of n blocks (one tensor, so a transfer is one message, not n * layers)::
+
+    [num_layers, 2 (k, v), n, block_size, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def packed_bytes(self, num_blocks: int) -> int:
+        n = 1
+        for d in self.packed_shape(num_blocks):
+            n *= d
+        return n * torch.tensor([], dtype=self.torch_dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVTicket:
+    """Claim on a prefilled prompt's KV blocks, handed from prefill to decode."""
+
+    worker_id: str  # the prefill worker holding the blocks
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int  # prompt tokens whose K/V the blocks hold
+    block_hashes: tuple[bytes, ...]  # chained hashes of the full blocks
+    layout: KVLayout
+    lease_deadline: float  # time.time() after which the blocks may be reused
+
+
+def pack_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> torch.Tensor:
+    """Copy the blocks of every layer into one contiguous tensor (see the module docstring)."""
+    k0 = kv_caches[0][0]
+    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    out = torch.empty((len(kv_caches), 2, len(block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+    for layer, (k, v) in enumerate(kv_caches):
+        torch.index_select(k, 0, index, out=out[layer, 0])
+        torch.index_select(v, 0, index, out=out[layer, 1])
+    return out
+
+
+def unpack_blocks(kv_caches, block_ids: list[int], packed: torch.Tensor) -> None:
+    """Write a packed tensor's blocks into this engine's caches at `block_ids`."""
+    k0 = kv_caches[0][0]
+    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    packed = packed.to(device=k0.device, dtype=k0.dtype)
+    for layer, (k, v) in enumerate(kv_caches):
+        k.index_copy_(0, index, packed[layer, 0])
+        v.index_copy_(0, index, packed[layer, 1])
+
+
+@dataclass
+class _Pin:
+    blocks: list[int]
+    deadline: float
+    num_tokens: int
+    block_hashes: tuple[bytes, ...]
+    readers: int = 0
+
+
+@dataclass
+class PinTable:
+    """Pinned blocks per request. Readers (a transfer in flight, any thread) hold a pin
+    against expiry; releasing blocks to the pool is left to the engine thread."""
+
+    pins: dict[str, _Pin] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, request_id: str, blocks: list[int], deadline: float, num_tokens: int,
+            block_hashes: tuple[bytes, ...]) -> None:
+        with self.lock:
+            self.pins[request_id] = _Pin(list(blocks), deadline, num_tokens, block_hashes)
+
+    def begin_read(self, request_id: str) -> list[int] | None:
+        """Blocks to read, or None when the pin is gone or its lease has ended."""
+        with self.lock:
+            pin = self.pins.get(request_id)
+            if pin is None or time.time() > pin.deadline:
+                return None
+            pin.readers += 1
+            return list(pin.blocks)
+
+    def end_read(self, request_id: str) -> None:
+        with self.lock:
+            pin = self.pins.get(request_id)
+            if pin is not None:
+                pin.readers -= 1
+
+    def pop(self, request_id: str) -> list[int] | None:
+        """Remove a pin nobody is reading; returns its blocks (None: absent or being read)."""
+        with self.lock:
+            pin = self.pins.get(request_id)
+            if pin is None or pin.readers > 0:
+                return None
+            return self.pins.pop(request_id).blocks
+
+    def expired(self, now: float) -> list[str]:
+        with self.lock:
+            return [rid for rid, p in self.pins.items() if now > p.deadline and p.readers == 0]
+
+    def __len__(self) -> int:
+        return len(self.pins)
+
+
+def prefill_params(params):
+    """The sampling parameters a prefill worker runs: the user's, cut to the first token."""
+    import dataclasses
+
+    return dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1)
