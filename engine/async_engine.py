@@ -69,13 +69,15 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         priority: int = 0,
         deadline: float | None = None,
+        kv_lease: float | None = None,
     ) -> OutputStream:
-        """Queue a request; raises the engine's validation error here, in the caller."""
+        """Queue a request; raises the engine's validation error here, in the caller.
+        `kv_lease`: a prefill for a decode worker (see LLMEngine.add_request)."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
         stream = OutputStream(request_id, asyncio.get_running_loop())
         accepted: Future = Future()
-        self._send(("add", stream, prompt, sampling_params, priority, deadline, accepted))
+        self._send(("add", stream, prompt, sampling_params, priority, deadline, kv_lease, accepted))
         await asyncio.wrap_future(accepted)
         return stream
 
@@ -97,6 +99,29 @@ class AsyncLLM:
             if not stream.finished:
                 self.abort(stream.request_id)
 
+    async def add_prefilled_request(
+        self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams,
+        first_token: int, first_logprobs=None,
+    ) -> tuple[OutputStream, list[int] | None]:
+        """Continue a request prefilled elsewhere (see LLMEngine.add_prefilled_request);
+        returns its stream and the blocks to pull the prompt's KV into, if any."""
+        stream = OutputStream(request_id, asyncio.get_running_loop())
+
+        def add():
+            blocks = self.engine.add_prefilled_request(
+                request_id, prompt, sampling_params, first_token, first_logprobs
+            )
+            self._streams[request_id] = stream
+            return blocks
+
+        return stream, await self.call(add)
+
+    async def call(self, fn, *args):
+        """Run `fn(*args)` on the loop thread, between steps, and return its result."""
+        done: Future = Future()
+        self._send(("call", fn, args, done))
+        return await asyncio.wrap_future(done)
+
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the stream ends with a finished `abort` output."""
         self._send(("abort", request_id))
@@ -109,6 +134,8 @@ class AsyncLLM:
         engine = self.engine
         while not self._stopped:
             self._drain_commands()
+            engine.expire_kv_leases()
+            self._publish(engine.take_pending_outputs())
             if not engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -126,11 +153,17 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, stream, prompt, params, priority, deadline, accepted = command
+            if command[0] == "call":
+                _, fn, args, done = command
+                try:
+                    done.set_result(fn(*args))
+                except Exception as e:
+                    done.set_exception(e)
+            elif command[0] == "add":
+                _, stream, prompt, params, priority, deadline, kv_lease, accepted = command
                 try:
                     self.engine.add_request(stream.request_id, prompt, params, priority=priority,
-                                            deadline=deadline)
+                                            deadline=deadline, kv_lease=kv_lease)
                 except Exception as e:
                     accepted.set_exception(e)
                     continue

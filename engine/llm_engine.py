@@ -174,7 +174,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs of requests that moved."""
         self.expire_kv_leases()
-        pending, self.pending_outputs = self.pending_outputs, []
+        pending = self.take_pending_outputs()
         sched = self.scheduler.schedule()
         self.last_step = StepStats(sched.total_tokens, len(self.scheduler.running), len(self.scheduler.waiting))
         if not sched.requests:
@@ -200,6 +200,10 @@ class LLMEngine:
 
     def kv_cache_stats(self):
         return self.kv.stats()
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        pending, self.pending_outputs = self.pending_outputs, []
+        return pending
 
     # ---- disaggregation: the prefill side -----------------------------------------------
 

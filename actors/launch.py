@@ -1,0 +1,39 @@
+"""Where workers are made: one placement group per worker, the actor inside it."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kvray.actors.worker import EngineWorker, Role
+from kvray.configs import KVTransferConfig, PoolConfig
+
+
+def start_worker(worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig,
+                 strategy: str = "PACK"):
+    """Start one engine worker in its own placement group; returns (handle, group)."""
+    bundle = {"CPU": pool.num_cpus}
+    if pool.num_gpus:
+        bundle["GPU"] = pool.num_gpus
+    pg = placement_group([bundle], strategy=strategy, name=f"kvray-{worker_id}")
+    ray.get(pg.ready())
+    actor = (
+        ray.remote(EngineWorker)
+        .options(
+            name=f"kvray-{worker_id}",
+            num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus,
+            max_concurrency=1000,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        )
+        .remote(worker_id, role, engine, kv.model_dump(), pool.torch_threads)
+    )
+    return actor, pg
+
+
+def stop_worker(actor, pg) -> None:
+    try:
+        ray.kill(actor)
+    finally:
+        remove_placement_group(pg)

@@ -1,0 +1,201 @@
+"""The Router actor: holds the worker pools, picks workers, survives worker deaths.
+
+Disaggregated: prefill worker (prefix affinity) -> first token + KVTicket -> decode worker
+(least loaded), which pulls the KV and streams the rest. Colocated: one mixed worker does
+both. A worker that dies is removed and traffic continues on the rest; a request whose
+worker died before it produced any output is retried on another worker; one whose decode
+worker died mid-stream fails with WorkerDiedError (streamed tokens cannot be unsent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from kvray.actors.routing_policy import WorkerLoad, choose_decode, choose_prefill, prefix_key
+from kvray.configs import DeploymentConfig
+from kvray.engine import RequestOutput, SamplingParams
+from kvray.errors import KvrayError
+
+logger = logging.getLogger(__name__)
+_DEAD = (RayActorError, ActorUnavailableError)
+
+
+class WorkerDiedError(KvrayError):
+    """The worker serving a request died after the request had produced output."""
+
+
+class NoWorkerError(KvrayError):
+    """No live worker of the needed role is left."""
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    role: str
+    handle: object
+    load: WorkerLoad
+
+
+class Router:
+    def __init__(self, config: dict, workers: list[tuple[str, str, object]]):
+        self.config = DeploymentConfig(**config)
+        self.workers = {wid: _Worker(wid, role, h, WorkerLoad(wid)) for wid, role, h in workers}
+        self.block_size = self.config.engine.get("block_size", 16)
+        self.tokenizer = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
+        self.ids = itertools.count()
+        self.health_task: asyncio.Task | None = None
+        self.num_retries = 0
+
+    # ---- public API -----------------------------------------------------------------------
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request (the last has finished=True)."""
+        self._ensure_health_task()
+        request_id = request_id or f"req-{next(self.ids)}"
+        prompt_input = self._prompt_input(prompt)
+        if self.config.disaggregated:
+            gen = self._generate_disaggregated(request_id, prompt_input, params)
+        else:
+            gen = self._generate_colocated(request_id, prompt_input, params)
+        async for out in gen:
+            yield out
+
+    async def live_workers(self) -> dict[str, list[str]]:
+        pools: dict[str, list[str]] = {}
+        for w in self.workers.values():
+            pools.setdefault(w.role, []).append(w.worker_id)
+        return pools
+
+    async def worker_stats(self) -> list:
+        return await asyncio.gather(*(w.handle.stats.remote() for w in self.workers.values()))
+
+    async def check_health(self) -> None:
+        """Ping every worker; remove the dead, refresh the others' load."""
+        async def probe(w: _Worker):
+            try:
+                s = await asyncio.wait_for(w.handle.stats.remote(), timeout=30)
+                w.load.kv_usage, w.load.num_running = s.kv_usage, s.num_running
+            except _DEAD:
+                self._remove(w, "failed its health check")
+            except asyncio.TimeoutError:
+                pass
+
+        await asyncio.gather(*(probe(w) for w in list(self.workers.values())))
+
+    # ---- request paths --------------------------------------------------------------------
+
+    async def _generate_disaggregated(self, rid, prompt_input, params):
+        key = prefix_key(prompt_input["prompt_token_ids"], self.block_size, self.config.router.affinity_blocks)
+        prefill, handoff = await self._with_retries(
+            "prefill", lambda pool: choose_prefill(pool, key, self.config.router.imbalance_threshold),
+            lambda w: w.handle.prefill.remote(rid, prompt_input, params),
+        )
+        tried: set[str] = set()
+        while True:
+            decode = self._pick("decode", choose_decode, tried)
+            produced = False
+            decode.load.in_flight += 1
+            try:
+                async for ref in decode.handle.decode.remote(rid, params, handoff, prefill.handle):
+                    out = await ref
+                    produced = True
+                    yield out
+                return
+            except _DEAD as e:
+                self._remove(decode, "died while serving a request")
+                if produced:
+                    raise WorkerDiedError(f"decode worker {decode.worker_id} died while streaming {rid}") from e
+                tried.add(decode.worker_id)
+                self._count_retry(tried)
+            finally:
+                decode.load.in_flight -= 1
+
+    async def _generate_colocated(self, rid, prompt_input, params):
+        tried: set[str] = set()
+        while True:
+            worker = self._pick("mixed", lambda pool: min(pool, key=lambda w: (w.in_flight, w.worker_id)), tried)
+            produced = False
+            worker.load.in_flight += 1
+            try:
+                async for ref in worker.handle.generate.remote(rid, prompt_input, params):
+                    out = await ref
+                    produced = True
+                    yield out
+                return
+            except _DEAD as e:
+                self._remove(worker, "died while serving a request")
+                if produced:
+                    raise WorkerDiedError(f"worker {worker.worker_id} died while streaming {rid}") from e
+                tried.add(worker.worker_id)
+                self._count_retry(tried)
+            finally:
+                worker.load.in_flight -= 1
+
+    async def _with_retries(self, role, choose, call):
+        """Run a unary call on a chosen worker; on death, remove it and try another."""
+        tried: set[str] = set()
+        while True:
+            worker = self._pick(role, choose, tried)
+            worker.load.in_flight += 1
+            try:
+                return worker, await call(worker)
+            except _DEAD:
+                self._remove(worker, "died before answering")
+                tried.add(worker.worker_id)
+                self._count_retry(tried)
+            finally:
+                worker.load.in_flight -= 1
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _pick(self, role: str, choose, exclude: set[str]) -> _Worker:
+        pool = [w for w in self.workers.values() if w.role == role and w.worker_id not in exclude]
+        if not pool:
+            raise NoWorkerError(f"no live {role} worker left")
+        chosen = choose([w.load for w in pool])
+        return self.workers[chosen.worker_id]
+
+    def _count_retry(self, tried: set[str]) -> None:
+        self.num_retries += 1
+        if len(tried) > self.config.router.max_retries:
+            raise NoWorkerError(f"gave up after {len(tried)} workers died: {sorted(tried)}")
+
+    def _remove(self, worker: _Worker, why: str) -> None:
+        if self.workers.pop(worker.worker_id, None) is not None:
+            logger.warning("kvray router: removing worker %s (%s)", worker.worker_id, why)
+
+    def _ensure_health_task(self) -> None:
+        if self.health_task is None:
+            self.health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.router.health_check_seconds)
+            try:
+                await self.check_health()
+            except Exception:  # never let the loop die
+                logger.exception("kvray router: health check failed")
+
+    def _prompt_input(self, prompt) -> dict:
+        if isinstance(prompt, str):
+            return {"prompt": prompt, "prompt_token_ids": self.tokenizer(prompt).input_ids}
+        if isinstance(prompt, dict):
+            return {"prompt": prompt.get("prompt"), "prompt_token_ids": list(prompt["prompt_token_ids"])}
+        return {"prompt": None, "prompt_token_ids": list(prompt)}
+
+
+def _load_tokenizer(model: str):
+    from kvray.models.loader import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path(model))
+
+
+RouterActor = ray.remote(Router)

@@ -1,0 +1,205 @@
+"""Engine workers: one Ray actor per engine, in the role `prefill`, `decode` or `mixed`.
+
+* prefill: runs the prompt (chunked, prefix-cached), samples the first token and
+  returns it with a KVTicket; the prompt's blocks stay pinned until the decode side
+  confirms its pull (`release_kv`) or the lease ends.
+* decode: takes (request, first token, ticket), reserves blocks, pulls the KV through its
+  connector, confirms, and continues the request in its continuous batch, streaming
+  outputs. A failed pull recomputes the prompt here (counted in `kv_recomputes`).
+* mixed: both phases in one engine, nothing moves (colocated mode).
+
+The worker is an async actor: engine steps run on the AsyncLLM's own thread, so the
+actor's event loop stays free for pulls, aborts and health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource, send_packed
+from kvray.actors.pair_group import join_group
+from kvray.configs import KVTransferConfig
+from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
+from kvray.engine.kv_transfer import KVTicket, prefill_params
+
+Role = Literal["prefill", "decode", "mixed"]
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill hands to the router for the decode worker."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    first_token: int
+    first_logprobs: tuple | None  # (logprob, rank, top) of the first token, when asked
+    ticket: KVTicket | None  # None when the blocks could not be pinned
+    num_cached_tokens: int
+
+
+@dataclass
+class WorkerStats:
+    worker_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # used / total blocks
+    used_blocks: int
+    pinned: int  # tickets whose blocks are still pinned
+    kv_transfer_bytes: int
+    kv_transfer_seconds: float
+    kv_recomputes: int
+    prefix_queries: int
+    prefix_hits: int
+
+
+class EngineWorker:
+    def __init__(self, worker_id: str, role: Role, engine_config: dict, kv_config: dict | None = None,
+                 torch_threads: int | None = None):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.role = role
+        self.kv_config = KVTransferConfig(**(kv_config or {}))
+        self.llm = AsyncLLM(EngineConfig(**engine_config))
+        engine = self.llm.engine
+        self.source = KVSource(engine)
+        backend = "nccl" if engine.device.type == "cuda" else "gloo"
+        host = _node_ip()
+        self.connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+
+    async def ready(self) -> str:
+        return self.worker_id
+
+    # ---- prefill role -------------------------------------------------------------------
+
+    async def prefill(self, request_id: str, prompt, params: SamplingParams) -> PrefillResult:
+        stream = await self.llm.add_request(
+            request_id, prompt, prefill_params(params), kv_lease=self.kv_config.lease_seconds
+        )
+        final = None
+        async for out in stream:
+            final = out
+        if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
+            raise RuntimeError(f"prefill of {request_id} was aborted")
+        first = final.outputs[0]
+        ticket = await self.llm.call(self.llm.engine.kv_ticket, self.worker_id, request_id)
+        first_logprobs = None
+        if first.logprobs:
+            entry = first.logprobs[0]
+            lp = entry[first.token_ids[0]]
+            top = [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank)]
+            first_logprobs = (lp.logprob, lp.rank, top[: params.logprobs])
+        return PrefillResult(request_id, final.prompt, final.prompt_token_ids, first.token_ids[0],
+                             first_logprobs, ticket, final.num_cached_tokens)
+
+    async def release_kv(self, request_id: str) -> bool:
+        """The decode side confirms its pull (or gives up): unpin the ticket's blocks."""
+        return await self.llm.call(self.llm.engine.release_kv, request_id)
+
+    async def export_kv(self, request_id: str) -> torch.Tensor | None:
+        """object_store connector: the packed blocks as a Ray object (None: pin gone)."""
+        blocks = self.source.begin(request_id)
+        if blocks is None:
+            return None
+        packed = await asyncio.to_thread(self.source.pack, request_id, blocks)
+        self.transfer_bytes += packed.numel() * packed.element_size()
+        return packed.cpu()
+
+    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
+        """torch_dist connector: build this side (rank 1) of the pair group with a decode worker."""
+        timeout = self.kv_config.pull_timeout_seconds
+        self.source.pair_groups[peer_id] = await asyncio.to_thread(
+            join_group, None, host, port, 1, key, backend, timeout
+        )
+
+    async def send_kv(self, request_id: str, peer_id: str, tag: int) -> int:
+        pg = self.source.pair_groups[peer_id]
+        device = self.llm.engine.device
+        sent = await asyncio.to_thread(send_packed, pg, self.source, request_id, tag, device)
+        self.transfer_bytes += sent
+        return sent
+
+    # ---- decode role --------------------------------------------------------------------
+
+    async def decode(self, request_id: str, params: SamplingParams, handoff: PrefillResult,
+                     prefill=None) -> AsyncIterator[RequestOutput]:
+        prompt = {"prompt": handoff.prompt, "prompt_token_ids": handoff.prompt_token_ids}
+        stream, blocks = await self.llm.add_prefilled_request(
+            request_id, prompt, params, handoff.first_token, handoff.first_logprobs
+        )
+        if blocks is not None:
+            await self._pull(handoff.ticket, prefill, request_id, blocks)
+        elif handoff.ticket is not None and prefill is not None:
+            prefill.release_kv.remote(request_id)  # nothing to pull: let the pin go now
+        async for out in self._stream(stream):
+            yield out
+
+    async def _pull(self, ticket: KVTicket | None, prefill, request_id: str, blocks: list[int]) -> None:
+        ok = False
+        start = time.perf_counter()
+        try:
+            if ticket is None or prefill is None:
+                raise KVPullError(f"no ticket for {request_id}")
+            moved = await self.connector.pull(ticket, prefill, self.llm.engine.runner.kv_caches, blocks)
+            self.transfer_bytes += moved
+            self.transfer_seconds += time.perf_counter() - start
+            ok = True
+        except KVPullError:
+            pass  # recomputed below, counted by the engine
+        finally:
+            await self.llm.call(self.llm.engine.finish_kv_pull, request_id, ok)
+            if ticket is not None and prefill is not None:
+                prefill.release_kv.remote(request_id)
+
+    # ---- mixed role and common ----------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        stream = await self.llm.add_request(request_id, prompt, params)
+        async for out in self._stream(stream):
+            yield out
+
+    async def _stream(self, stream) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:  # the caller went away: abort and free the blocks
+                self.llm.abort(stream.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.llm.abort(request_id)
+
+    async def stats(self) -> WorkerStats:
+        def read() -> WorkerStats:
+            e = self.llm.engine
+            kv = e.kv_cache_stats()
+            return WorkerStats(
+                self.worker_id, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
+                kv.usage, kv.used_blocks, len(e.pins), self.transfer_bytes, self.transfer_seconds,
+                e.num_kv_recomputes, e.kv.prefix_queries, e.kv.prefix_hits,
+            )
+
+        return await self.llm.call(read)
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return os.environ.get("KVRAY_HOST", "127.0.0.1")

@@ -1,0 +1,160 @@
+"""Disaggregated prefill/decode on local Ray, against the offline engine's tokens.
+
+One local Ray for the module (own temp dir, no dashboard, auth off, 2 CPUs); each test
+launches its own deployment (workers with half a CPU and one torch thread each) and
+shuts it down. After every scenario no block is used or pinned on any live worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from kvray.actors.router import WorkerDiedError  # noqa: E402
+from kvray.cluster.local import ensure_ray, launch  # noqa: E402
+from kvray.engine import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SHARED = ("A paged KV cache splits each sequence's keys and values into fixed-size blocks, "
+          "so memory is allocated on demand and blocks can be shared between requests. ")
+PROMPTS = [
+    "The capital of France is",
+    SHARED + "The main benefit is",
+    SHARED + "A second benefit is",
+    "def square(x):\n    return",
+    "Rain falls when",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "1, 1, 2, 3, 5, 8,",
+    SHARED + "Prefix caching means",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine_args(smollm2_path):
+    return {"model": str(smollm2_path), "dtype": "float32", "max_model_len": 512,
+            "kv_cache_memory_bytes": 48 << 20}
+
+
+@pytest.fixture(scope="module")
+def offline(engine_args):
+    llm = LLM(**engine_args)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _deploy(engine_args, *, prefill=1, decode=1, mixed=1, disaggregated=True, connector="torch_dist",
+            lease=30.0, pull_timeout=20.0):
+    pool = {"num_cpus": 0.5, "torch_threads": 1}
+    return launch({
+        "engine": engine_args, "disaggregated": disaggregated,
+        "prefill": {**pool, "num_workers": prefill}, "decode": {**pool, "num_workers": decode},
+        "mixed": {**pool, "num_workers": mixed},
+        "kv_transfer": {"connector": connector, "lease_seconds": lease, "pull_timeout_seconds": pull_timeout},
+        "router": {"health_check_seconds": 0.5},
+    })
+
+
+def _run_all(cluster, prompts, params=GREEDY):
+    streams = [cluster.router.generate.remote(p, params, f"r{i}") for i, p in enumerate(prompts)]
+    finals = []
+    for s in streams:
+        out = None
+        for ref in s:
+            out = ray.get(ref)
+        finals.append(out)
+    return finals
+
+
+def _assert_clean(cluster):
+    for stats in ray.get(cluster.router.worker_stats.remote()):
+        assert stats.used_blocks == 0 and stats.pinned == 0, stats
+
+
+@pytest.mark.parametrize("connector", ["torch_dist", "object_store"])
+def test_disaggregated_matches_offline(local_ray, engine_args, offline, connector):
+    cluster = _deploy(engine_args, connector=connector)
+    try:
+        finals = _run_all(cluster, PROMPTS)
+        assert [f.outputs[0].token_ids for f in finals] == offline
+        assert all(f.finished for f in finals)
+        _assert_clean(cluster)
+        stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
+        assert stats["decode"].kv_transfer_bytes > 0 and stats["decode"].kv_recomputes == 0
+        assert stats["prefill"].prefix_hits > 0  # the shared prefix stayed on one prefill worker
+    finally:
+        cluster.shutdown()
+
+
+def test_expired_lease_recomputes_identically(local_ray, engine_args, offline):
+    cluster = _deploy(engine_args, lease=1e-6)  # over before any decode side can pull
+    try:
+        finals = _run_all(cluster, PROMPTS[:4])
+        assert [f.outputs[0].token_ids for f in finals] == offline[:4]
+        stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
+        assert stats["decode"].kv_recomputes == 4
+        _assert_clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_colocated_mode_matches_offline(local_ray, engine_args, offline):
+    cluster = _deploy(engine_args, disaggregated=False)
+    try:
+        finals = _run_all(cluster, PROMPTS)
+        assert [f.outputs[0].token_ids for f in finals] == offline
+        assert ray.get(cluster.router.live_workers.remote()) == {"mixed": ["mixed-0"]}
+        _assert_clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_decode_worker_killed_mid_stream(local_ray, engine_args):
+    cluster = _deploy(engine_args, decode=2)
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    try:
+        streams = [cluster.router.generate.remote(p, long, f"k{i}") for i, p in enumerate(PROMPTS[:4])]
+        firsts = [ray.get(next(s)) for s in streams]  # every request is streaming now
+        assert all(not f.finished for f in firsts)
+        victim = "decode-0"
+        ray.kill(cluster.workers[victim][1])
+        failed, finished = 0, 0
+        for s in streams:
+            try:
+                out = None
+                for ref in s:
+                    out = ray.get(ref)
+                assert out.finished and len(out.outputs[0].token_ids) == 48
+                finished += 1
+            except WorkerDiedError as e:
+                assert victim in str(e)
+                failed += 1
+        assert failed >= 1 and finished >= 1
+        assert ray.get(cluster.router.live_workers.remote())["decode"] == ["decode-1"]
+        after = _run_all(cluster, PROMPTS[:2])  # new traffic goes to the live decode worker
+        assert all(f.finished for f in after)
+        _assert_clean(cluster)  # the prefill side leaked nothing
+    finally:
+        cluster.shutdown()
+
+
+def test_prefill_worker_killed(local_ray, engine_args, offline):
+    cluster = _deploy(engine_args, prefill=2)
+    try:
+        ray.kill(cluster.workers["prefill-0"][1])
+        finals = _run_all(cluster, PROMPTS)
+        assert [f.outputs[0].token_ids for f in finals] == offline
+        assert ray.get(cluster.router.live_workers.remote())["prefill"] == ["prefill-1"]
+        _assert_clean(cluster)
+    finally:
+        cluster.shutdown()
