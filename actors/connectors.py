@@ -20,7 +20,7 @@ import torch
 
 from kvray.actors.pair_group import host_store, join_group
 from kvray.configs import KVTransferConfig
-from kvray.engine.kv_transfer import KVTicket, pack_blocks, unpack_blocks
+from kvray.engine.kv_transfer import KVTicket, PinTable, pack_blocks, unpack_blocks
 from kvray.errors import KvrayError
 
 
@@ -31,18 +31,45 @@ class KVPullError(KvrayError):
 class KVSource:
     """The prefill side: packs pinned blocks for a pull (any thread; pins guard them)."""
 
-    def __init__(self, engine):  # kvray.engine.LLMEngine
-        self.engine = engine
-        self.pair_groups: dict[str, object] = {}
+    def __init__(self, pins: PinTable, kv_caches: list, device: torch.device):
+        self.pins = pins
+        self.kv_caches = kv_caches
+        self.device = device
+        self.pair_groups: dict[str, object] = {}  # decode worker id -> pair group
+        self.bytes_sent = 0
 
     def begin(self, request_id: str) -> list[int] | None:
-        return self.engine.pins.begin_read(request_id)
+        return self.pins.begin_read(request_id)
 
     def pack(self, request_id: str, blocks: list[int]) -> torch.Tensor:
         try:
-            return pack_blocks(self.engine.runner.kv_caches, blocks)
+            return pack_blocks(self.kv_caches, blocks)
         finally:
-            self.engine.pins.end_read(request_id)
+            self.pins.end_read(request_id)
+
+    # The worker's actor methods of the same names delegate here.
+
+    async def export_kv(self, request_id: str) -> torch.Tensor | None:
+        """object_store connector: the packed blocks, returned as a Ray object."""
+        blocks = self.begin(request_id)
+        if blocks is None:
+            return None
+        packed = await asyncio.to_thread(self.pack, request_id, blocks)
+        self.bytes_sent += packed.numel() * packed.element_size()
+        return packed.cpu()
+
+    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str,
+                        timeout_s: float) -> None:
+        """torch_dist connector: build this side (rank 1) of the pair group."""
+        self.pair_groups[peer_id] = await asyncio.to_thread(
+            join_group, None, host, port, 1, key, backend, timeout_s
+        )
+
+    async def send_kv(self, request_id: str, peer_id: str, tag: int) -> int:
+        sent = await asyncio.to_thread(send_packed, self.pair_groups[peer_id], self, request_id, tag,
+                                       self.device)
+        self.bytes_sent += sent
+        return sent
 
 
 class KVConnector(ABC):

@@ -20,7 +20,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from kvray.actors.routing_policy import WorkerLoad, choose_decode, choose_prefill, prefix_key
 from kvray.configs import DeploymentConfig
-from kvray.engine import RequestOutput, SamplingParams
+from kvray.engine import CompletionOutput, RequestOutput, SamplingParams
 from kvray.errors import KvrayError
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ class Router:
             "prefill", lambda pool: choose_prefill(pool, key, self.config.router.imbalance_threshold),
             lambda w: w.handle.prefill.remote(rid, prompt_input, params),
         )
+        yield self._first_token_output(rid, params, handoff)  # time to first token ends here
         tried: set[str] = set()
         while True:
             decode = self._pick("decode", choose_decode, tried)
@@ -183,6 +184,16 @@ class Router:
                 await self.check_health()
             except Exception:  # never let the loop die
                 logger.exception("kvray router: health check failed")
+
+    def _first_token_output(self, rid: str, params: SamplingParams, handoff) -> RequestOutput:
+        """The prefill's token, streamed before the decode worker takes over (its later
+        cumulative outputs repeat it). Text is held back if the token ends mid-character."""
+        text = self.tokenizer.decode([handoff.first_token], skip_special_tokens=params.skip_special_tokens)
+        if text.endswith("\ufffd"):
+            text = ""
+        first = CompletionOutput(index=0, text=text, token_ids=[handoff.first_token])
+        return RequestOutput(rid, handoff.prompt, handoff.prompt_token_ids, [first], finished=False,
+                             num_cached_tokens=handoff.num_cached_tokens)
 
     def _prompt_input(self, prompt) -> dict:
         if isinstance(prompt, str):

@@ -23,8 +23,7 @@ from typing import Literal
 
 import torch
 
-from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource, send_packed
-from kvray.actors.pair_group import join_group
+from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
 from kvray.engine.kv_transfer import KVTicket, prefill_params
@@ -54,8 +53,8 @@ class WorkerStats:
     kv_usage: float  # used / total blocks
     used_blocks: int
     pinned: int  # tickets whose blocks are still pinned
-    kv_transfer_bytes: int
-    kv_transfer_seconds: float
+    kv_transfer_bytes: int  # bytes pulled in (decode) plus bytes sent out (prefill)
+    kv_transfer_seconds: float  # time spent pulling (decode side)
     kv_recomputes: int
     prefix_queries: int
     prefix_hits: int
@@ -71,12 +70,12 @@ class EngineWorker:
         self.kv_config = KVTransferConfig(**(kv_config or {}))
         self.llm = AsyncLLM(EngineConfig(**engine_config))
         engine = self.llm.engine
-        self.source = KVSource(engine)
+        self.source = KVSource(engine.pins, engine.runner.kv_caches, engine.device)
         backend = "nccl" if engine.device.type == "cuda" else "gloo"
         host = _node_ip()
         self.connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
-        self.transfer_bytes = 0
-        self.transfer_seconds = 0.0
+        self.pulled_bytes = 0
+        self.pull_seconds = 0.0
 
     async def ready(self) -> str:
         return self.worker_id
@@ -108,27 +107,13 @@ class EngineWorker:
         return await self.llm.call(self.llm.engine.release_kv, request_id)
 
     async def export_kv(self, request_id: str) -> torch.Tensor | None:
-        """object_store connector: the packed blocks as a Ray object (None: pin gone)."""
-        blocks = self.source.begin(request_id)
-        if blocks is None:
-            return None
-        packed = await asyncio.to_thread(self.source.pack, request_id, blocks)
-        self.transfer_bytes += packed.numel() * packed.element_size()
-        return packed.cpu()
+        return await self.source.export_kv(request_id)
 
     async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
-        """torch_dist connector: build this side (rank 1) of the pair group with a decode worker."""
-        timeout = self.kv_config.pull_timeout_seconds
-        self.source.pair_groups[peer_id] = await asyncio.to_thread(
-            join_group, None, host, port, 1, key, backend, timeout
-        )
+        await self.source.join_pair(peer_id, host, port, key, backend, self.kv_config.pull_timeout_seconds)
 
     async def send_kv(self, request_id: str, peer_id: str, tag: int) -> int:
-        pg = self.source.pair_groups[peer_id]
-        device = self.llm.engine.device
-        sent = await asyncio.to_thread(send_packed, pg, self.source, request_id, tag, device)
-        self.transfer_bytes += sent
-        return sent
+        return await self.source.send_kv(request_id, peer_id, tag)
 
     # ---- decode role --------------------------------------------------------------------
 
@@ -152,8 +137,8 @@ class EngineWorker:
             if ticket is None or prefill is None:
                 raise KVPullError(f"no ticket for {request_id}")
             moved = await self.connector.pull(ticket, prefill, self.llm.engine.runner.kv_caches, blocks)
-            self.transfer_bytes += moved
-            self.transfer_seconds += time.perf_counter() - start
+            self.pulled_bytes += moved
+            self.pull_seconds += time.perf_counter() - start
             ok = True
         except KVPullError:
             pass  # recomputed below, counted by the engine
@@ -186,7 +171,8 @@ class EngineWorker:
             kv = e.kv_cache_stats()
             return WorkerStats(
                 self.worker_id, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
-                kv.usage, kv.used_blocks, len(e.pins), self.transfer_bytes, self.transfer_seconds,
+                kv.usage, kv.used_blocks, len(e.pins), self.pulled_bytes + self.source.bytes_sent,
+                self.pull_seconds,
                 e.num_kv_recomputes, e.kv.prefix_queries, e.kv.prefix_hits,
             )
 

@@ -64,5 +64,20 @@ def build_model(config, path: Path | None, dtype: torch.dtype, device: torch.dev
         model = cls(config, max_positions)
     if path is not None:
         model.load_weights(iter_safetensors(path))
+    else:
+        init_random_weights(model, getattr(config, "initializer_range", 0.02))
     model.to(dtype)
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, std: float) -> None:
+    """Random weights for shape-only models (benchmarks, tests): matrices N(0, std),
+    biases 0, norm scales 1, as Hugging Face initialises Llama-family models."""
+    for name, param in model.named_parameters():
+        if param.dim() > 1:
+            param.normal_(0.0, std)
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.zero_()

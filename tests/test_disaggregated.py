@@ -124,8 +124,10 @@ def test_decode_worker_killed_mid_stream(local_ray, engine_args):
     long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     try:
         streams = [cluster.router.generate.remote(p, long, f"k{i}") for i, p in enumerate(PROMPTS[:4])]
-        firsts = [ray.get(next(s)) for s in streams]  # every request is streaming now
-        assert all(not f.finished for f in firsts)
+        firsts = [ray.get(next(s)) for s in streams]  # the prefill's first tokens
+        seconds = [ray.get(next(s)) for s in streams]  # every request is on a decode worker now
+        assert all(len(f.outputs[0].token_ids) == 1 for f in firsts)
+        assert all(not s.finished and len(s.outputs[0].token_ids) >= 2 for s in seconds)
         victim = "decode-0"
         ray.kill(cluster.workers[victim][1])
         failed, finished = 0, 0
