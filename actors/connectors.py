@@ -1,12 +1,13 @@
 """KV connectors: how a decode worker pulls a prefill worker's pinned blocks.
 
 Both connectors share one shape. The decode side calls `pull(ticket, prefill, ...)`; the
-prefill side answers through its worker's `KVSource` (pack the pinned blocks into one
-tensor, hand it over, unpin when the decode side confirms). A pull that cannot complete
-raises `KVPullError`; the decode worker then recomputes the prompt itself.
+prefill side answers through its worker's `KVSource` (pack the pinned blocks, hand them
+over; the decode side then confirms and the pin is released). A pull that cannot
+complete raises `KVPullError`; the decode worker then recomputes the prompt itself.
 
 * `torch_dist`: point-to-point over a pairwise process group (gloo on CPU, NCCL on CUDA)
-  built on first use through a TCPStore rendezvous; one packed message per pull.
+  built on first use through a TCPStore rendezvous. Pull requests travel on the pair's
+  control group (no Ray call per pull); the blocks come as a few layer-range chunks.
 * `object_store`: the packed tensor travels as a Ray object.
 """
 
@@ -14,14 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from abc import ABC, abstractmethod
 
 import torch
 
-from kvray.actors.pair_group import host_store, join_group
+from kvray.actors.pair_group import PairGroups, host_store, join_pair_groups
 from kvray.configs import KVTransferConfig
-from kvray.engine.kv_transfer import KVTicket, PinTable, pack_blocks, unpack_blocks
+from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, layer_chunks, pack_blocks, unpack_blocks
 from kvray.errors import KvrayError
+
+TAGS_PER_PULL = 4096  # header + at most one chunk per layer
+REQUEST_TAG = 0  # control-group tag of pull requests
+REQUEST_WORDS = 130  # int64 words of a pull request: tag, id length, up to 1 KiB of id
 
 
 class KVPullError(KvrayError):
@@ -31,11 +37,12 @@ class KVPullError(KvrayError):
 class KVSource:
     """The prefill side: packs pinned blocks for a pull (any thread; pins guard them)."""
 
-    def __init__(self, pins: PinTable, kv_caches: list, device: torch.device):
+    def __init__(self, pins: PinTable, kv_caches: list, device: torch.device, layout: KVLayout):
         self.pins = pins
         self.kv_caches = kv_caches
         self.device = device
-        self.pair_groups: dict[str, object] = {}  # decode worker id -> pair group
+        self.layout = layout
+        self.pair_groups: dict[str, PairGroups] = {}  # decode worker id -> its pair
         self.bytes_sent = 0
 
     def begin(self, request_id: str) -> list[int] | None:
@@ -47,8 +54,6 @@ class KVSource:
         finally:
             self.pins.end_read(request_id)
 
-    # The worker's actor methods of the same names delegate here.
-
     async def export_kv(self, request_id: str) -> torch.Tensor | None:
         """object_store connector: the packed blocks, returned as a Ray object."""
         blocks = self.begin(request_id)
@@ -58,18 +63,26 @@ class KVSource:
         self.bytes_sent += packed.numel() * packed.element_size()
         return packed.cpu()
 
-    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str,
-                        timeout_s: float) -> None:
-        """torch_dist connector: build this side (rank 1) of the pair group."""
-        self.pair_groups[peer_id] = await asyncio.to_thread(
-            join_group, None, host, port, 1, key, backend, timeout_s
-        )
+    async def join_pair(
+        self, peer_id: str, host: str, port: int, key: str, backend: str, timeout_s: float
+    ) -> None:
+        """torch_dist connector: build this side (rank 1) of the pair and start answering
+        the peer's pull requests on a thread of its own."""
+        groups = await asyncio.to_thread(join_pair_groups, None, host, port, 1, key, backend, timeout_s)
+        self.pair_groups[peer_id] = groups
+        thread = threading.Thread(target=self._serve_pulls, args=(groups,), daemon=True)
+        thread.start()
 
-    async def send_kv(self, request_id: str, peer_id: str, tag: int) -> int:
-        sent = await asyncio.to_thread(send_packed, self.pair_groups[peer_id], self, request_id, tag,
-                                       self.device)
-        self.bytes_sent += sent
-        return sent
+    def _serve_pulls(self, groups: PairGroups) -> None:
+        """One pull at a time, in the order the peer asked; ends when the peer goes away."""
+        message = torch.empty(REQUEST_WORDS, dtype=torch.int64)
+        while True:
+            try:
+                groups.control.recv([message], 0, REQUEST_TAG).wait()
+                tag, request_id = decode_request(message)
+                self.bytes_sent += send_packed(groups.data, self, request_id, tag)
+            except RuntimeError:  # the peer closed the pair (it stopped or died)
+                return
 
 
 class KVConnector(ABC):
@@ -87,8 +100,9 @@ class KVConnector(ABC):
 class ObjectStoreConnector(KVConnector):
     async def pull(self, ticket, prefill, kv_caches, dst_blocks):
         try:
-            packed = await asyncio.wait_for(prefill.export_kv.remote(ticket.request_id),
-                                            self.config.pull_timeout_seconds)
+            packed = await asyncio.wait_for(
+                prefill.export_kv.remote(ticket.request_id), self.config.pull_timeout_seconds
+            )
         except Exception as e:  # actor died, timed out
             raise KVPullError(f"object-store pull of {ticket.request_id} failed: {e!r}") from e
         if packed is None:
@@ -100,13 +114,13 @@ class ObjectStoreConnector(KVConnector):
 class TorchDistConnector(KVConnector):
     def __init__(self, *args):
         super().__init__(*args)
-        self.groups: dict[str, object] = {}
-        self.stores: dict[str, object] = {}
-        self.tags = itertools.count(1, 2)  # each pull uses tag and tag + 1
+        self.groups: dict[str, PairGroups] = {}
+        self.stores: dict[str, object] = {}  # kept alive: the pair's rendezvous
+        self.tags = itertools.count(1, TAGS_PER_PULL)  # a pull uses tag .. tag + chunks
         self.lock = asyncio.Lock()
 
-    async def group(self, peer_id: str, peer):
-        """The pair group with `peer`, built on first use (this side hosts the store)."""
+    async def group(self, peer_id: str, peer) -> PairGroups:
+        """The pair with `peer`, built on first use (this side hosts the store)."""
         async with self.lock:
             if peer_id not in self.groups:
                 timeout = self.config.pull_timeout_seconds
@@ -114,51 +128,90 @@ class TorchDistConnector(KVConnector):
                 key = f"kvray/{self.worker_id}/{peer_id}"
                 joined = peer.join_pair.remote(self.worker_id, self.host, store.port, key, self.backend)
                 self.groups[peer_id] = await asyncio.to_thread(
-                    join_group, store, self.host, store.port, 0, key, self.backend, timeout
+                    join_pair_groups, store, self.host, store.port, 0, key, self.backend, timeout
                 )
                 self.stores[peer_id] = store
                 await joined
             return self.groups[peer_id]
 
     async def pull(self, ticket, prefill, kv_caches, dst_blocks):
-        """The sender first sends a one-element header (1: the packed blocks follow, 0: the
-        pin is gone), so a late pull never leaves this side waiting for data."""
+        """Ask on the control group, then receive on the data group: the sender answers
+        with a one-element header (1: the blocks follow, 0: the pin is gone), so a late
+        pull never waits for data; the blocks then come as layer-range chunks, all
+        receives posted at once, each chunk unpacked while the next ones arrive."""
         try:
-            pg = await self.group(ticket.worker_id, prefill)
-            layout = ticket.layout
-            device = kv_caches[0][0].device
-            header = torch.zeros(1, dtype=torch.int64, device=device)
-            buf = torch.empty(layout.packed_shape(len(ticket.block_ids)), dtype=layout.torch_dtype, device=device)
+            groups = await self.group(ticket.worker_id, prefill)
             tag = next(self.tags)
-            sent = prefill.send_kv.remote(ticket.request_id, self.worker_id, tag)
+            request = encode_request(tag, ticket.request_id)
 
-            def receive() -> bool:
-                pg.recv([header], 1, tag).wait()
-                if int(header.item()) == 0:
-                    return False
-                pg.recv([buf], 1, tag + 1).wait()
-                return True
+            def transfer() -> int:
+                groups.control.send([request], 1, REQUEST_TAG).wait()
+                return receive_packed(groups.data, ticket, kv_caches, dst_blocks, tag)
 
-            received = await asyncio.to_thread(receive)
-            await sent
+            moved = await asyncio.to_thread(transfer)
         except Exception as e:  # peer died mid-transfer, gloo timeout, ...
             raise KVPullError(f"torch_dist pull of {ticket.request_id} failed: {e!r}") from e
-        if not received:
+        if moved == 0:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
-        await asyncio.to_thread(unpack_blocks, kv_caches, dst_blocks, buf)
-        return buf.numel() * buf.element_size()
+        return moved
 
 
-def send_packed(pg, source: KVSource, request_id: str, tag: int, device) -> int:
-    """The prefill side of a torch_dist pull (blocking; run it in a thread)."""
+def encode_request(tag: int, request_id: str) -> torch.Tensor:
+    """[tag, id length, id bytes in 8-byte words...]: one control message per pull."""
+    raw = request_id.encode()
+    if len(raw) > 8 * (REQUEST_WORDS - 2):
+        raise KVPullError(f"request id longer than {8 * (REQUEST_WORDS - 2)} bytes")
+    words = torch.zeros(REQUEST_WORDS, dtype=torch.int64)
+    words[0], words[1] = tag, len(raw)
+    padded = raw + b"\0" * (-len(raw) % 8)
+    if padded:
+        words[2 : 2 + len(padded) // 8] = torch.frombuffer(bytearray(padded), dtype=torch.int64)
+    return words
+
+
+def decode_request(words: torch.Tensor) -> tuple[int, str]:
+    tag, length = int(words[0]), int(words[1])
+    return tag, words[2:].numpy().tobytes()[:length].decode()
+
+
+def receive_packed(pg, ticket: KVTicket, kv_caches, dst_blocks: list[int], tag: int) -> int:
+    """The decode side of a torch_dist pull (blocking; run it in a thread)."""
+    layout = ticket.layout
+    device = kv_caches[0][0].device
+    header = torch.zeros(1, dtype=torch.int64, device=device)
+    pg.recv([header], 1, tag).wait()
+    if int(header.item()) == 0:
+        return 0
+    n = len(ticket.block_ids)
+    chunks = layer_chunks(layout, n)
+    shape = layout.packed_shape(n)[1:]
+    bufs = [torch.empty((len(c), *shape), dtype=layout.torch_dtype, device=device) for c in chunks]
+    works = [pg.recv([buf], 1, tag + 1 + i) for i, buf in enumerate(bufs)]
+    for layers, buf, work in zip(chunks, bufs, works):
+        work.wait()
+        unpack_blocks(kv_caches, dst_blocks, buf, layers)
+    return sum(b.numel() * b.element_size() for b in bufs)
+
+
+def send_packed(pg, source: KVSource, request_id: str, tag: int) -> int:
+    """The prefill side of a torch_dist pull (blocking): header, then packed chunks, each
+    packed while the previous one is on the wire."""
     blocks = source.begin(request_id)
-    header = torch.tensor([0 if blocks is None else 1], dtype=torch.int64, device=device)
+    header = torch.tensor([0 if blocks is None else 1], dtype=torch.int64, device=source.device)
     pg.send([header], 0, tag).wait()
     if blocks is None:
         return 0
-    packed = source.pack(request_id, blocks)
-    pg.send([packed], 0, tag + 1).wait()
-    return packed.numel() * packed.element_size()
+    sent, works = 0, []
+    try:
+        for i, layers in enumerate(layer_chunks(source.layout, len(blocks))):
+            packed = pack_blocks(source.kv_caches, blocks, layers)
+            works.append(pg.send([packed], 0, tag + 1 + i))
+            sent += packed.numel() * packed.element_size()
+        for work in works:
+            work.wait()
+    finally:
+        source.pins.end_read(request_id)
+    return sent
 
 
 CONNECTORS: dict[str, type[KVConnector]] = {

@@ -10,8 +10,9 @@ from kvray.actors.worker import EngineWorker, Role
 from kvray.configs import KVTransferConfig, PoolConfig
 
 
-def start_worker(worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig,
-                 strategy: str = "PACK"):
+def start_worker(
+    worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig, strategy: str = "PACK"
+):
     """Start one engine worker in its own placement group; returns (handle, group)."""
     bundle = {"CPU": pool.num_cpus}
     if pool.num_gpus:

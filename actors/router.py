@@ -55,8 +55,9 @@ class Router:
 
     # ---- public API -----------------------------------------------------------------------
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request (the last has finished=True)."""
         self._ensure_health_task()
         request_id = request_id or f"req-{next(self.ids)}"
@@ -79,6 +80,7 @@ class Router:
 
     async def check_health(self) -> None:
         """Ping every worker; remove the dead, refresh the others' load."""
+
         async def probe(w: _Worker):
             try:
                 s = await asyncio.wait_for(w.handle.stats.remote(), timeout=30)
@@ -93,9 +95,12 @@ class Router:
     # ---- request paths --------------------------------------------------------------------
 
     async def _generate_disaggregated(self, rid, prompt_input, params):
-        key = prefix_key(prompt_input["prompt_token_ids"], self.block_size, self.config.router.affinity_blocks)
+        key = prefix_key(
+            prompt_input["prompt_token_ids"], self.block_size, self.config.router.affinity_blocks
+        )
         prefill, handoff = await self._with_retries(
-            "prefill", lambda pool: choose_prefill(pool, key, self.config.router.imbalance_threshold),
+            "prefill",
+            lambda pool: choose_prefill(pool, key, self.config.router.imbalance_threshold),
             lambda w: w.handle.prefill.remote(rid, prompt_input, params),
         )
         yield self._first_token_output(rid, params, handoff)  # time to first token ends here
@@ -113,7 +118,9 @@ class Router:
             except _DEAD as e:
                 self._remove(decode, "died while serving a request")
                 if produced:
-                    raise WorkerDiedError(f"decode worker {decode.worker_id} died while streaming {rid}") from e
+                    raise WorkerDiedError(
+                        f"decode worker {decode.worker_id} died while streaming {rid}"
+                    ) from e
                 tried.add(decode.worker_id)
                 self._count_retry(tried)
             finally:
@@ -122,7 +129,9 @@ class Router:
     async def _generate_colocated(self, rid, prompt_input, params):
         tried: set[str] = set()
         while True:
-            worker = self._pick("mixed", lambda pool: min(pool, key=lambda w: (w.in_flight, w.worker_id)), tried)
+            worker = self._pick(
+                "mixed", lambda pool: min(pool, key=lambda w: (w.in_flight, w.worker_id)), tried
+            )
             produced = False
             worker.load.in_flight += 1
             try:
@@ -192,8 +201,14 @@ class Router:
         if text.endswith("\ufffd"):
             text = ""
         first = CompletionOutput(index=0, text=text, token_ids=[handoff.first_token])
-        return RequestOutput(rid, handoff.prompt, handoff.prompt_token_ids, [first], finished=False,
-                             num_cached_tokens=handoff.num_cached_tokens)
+        return RequestOutput(
+            rid,
+            handoff.prompt,
+            handoff.prompt_token_ids,
+            [first],
+            finished=False,
+            num_cached_tokens=handoff.num_cached_tokens,
+        )
 
     def _prompt_input(self, prompt) -> dict:
         if isinstance(prompt, str):

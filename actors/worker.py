@@ -14,7 +14,6 @@ actor's event loop stays free for pulls, aborts and health checks.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -61,8 +60,14 @@ class WorkerStats:
 
 
 class EngineWorker:
-    def __init__(self, worker_id: str, role: Role, engine_config: dict, kv_config: dict | None = None,
-                 torch_threads: int | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        role: Role,
+        engine_config: dict,
+        kv_config: dict | None = None,
+        torch_threads: int | None = None,
+    ):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
@@ -70,7 +75,7 @@ class EngineWorker:
         self.kv_config = KVTransferConfig(**(kv_config or {}))
         self.llm = AsyncLLM(EngineConfig(**engine_config))
         engine = self.llm.engine
-        self.source = KVSource(engine.pins, engine.runner.kv_caches, engine.device)
+        self.source = KVSource(engine.pins, engine.runner.kv_caches, engine.device, engine.kv_layout)
         backend = "nccl" if engine.device.type == "cuda" else "gloo"
         host = _node_ip()
         self.connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
@@ -99,8 +104,15 @@ class EngineWorker:
             lp = entry[first.token_ids[0]]
             top = [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank)]
             first_logprobs = (lp.logprob, lp.rank, top[: params.logprobs])
-        return PrefillResult(request_id, final.prompt, final.prompt_token_ids, first.token_ids[0],
-                             first_logprobs, ticket, final.num_cached_tokens)
+        return PrefillResult(
+            request_id,
+            final.prompt,
+            final.prompt_token_ids,
+            first.token_ids[0],
+            first_logprobs,
+            ticket,
+            final.num_cached_tokens,
+        )
 
     async def release_kv(self, request_id: str) -> bool:
         """The decode side confirms its pull (or gives up): unpin the ticket's blocks."""
@@ -112,13 +124,11 @@ class EngineWorker:
     async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
         await self.source.join_pair(peer_id, host, port, key, backend, self.kv_config.pull_timeout_seconds)
 
-    async def send_kv(self, request_id: str, peer_id: str, tag: int) -> int:
-        return await self.source.send_kv(request_id, peer_id, tag)
-
     # ---- decode role --------------------------------------------------------------------
 
-    async def decode(self, request_id: str, params: SamplingParams, handoff: PrefillResult,
-                     prefill=None) -> AsyncIterator[RequestOutput]:
+    async def decode(
+        self, request_id: str, params: SamplingParams, handoff: PrefillResult, prefill=None
+    ) -> AsyncIterator[RequestOutput]:
         prompt = {"prompt": handoff.prompt, "prompt_token_ids": handoff.prompt_token_ids}
         stream, blocks = await self.llm.add_prefilled_request(
             request_id, prompt, params, handoff.first_token, handoff.first_logprobs
@@ -170,10 +180,18 @@ class EngineWorker:
             e = self.llm.engine
             kv = e.kv_cache_stats()
             return WorkerStats(
-                self.worker_id, self.role, len(e.scheduler.running), len(e.scheduler.waiting),
-                kv.usage, kv.used_blocks, len(e.pins), self.pulled_bytes + self.source.bytes_sent,
+                self.worker_id,
+                self.role,
+                len(e.scheduler.running),
+                len(e.scheduler.waiting),
+                kv.usage,
+                kv.used_blocks,
+                len(e.pins),
+                self.pulled_bytes + self.source.bytes_sent,
                 self.pull_seconds,
-                e.num_kv_recomputes, e.kv.prefix_queries, e.kv.prefix_hits,
+                e.num_kv_recomputes,
+                e.kv.prefix_queries,
+                e.kv.prefix_hits,
             )
 
         return await self.llm.call(read)

@@ -55,9 +55,15 @@ def bench_engine(plan: Plan, timer: Timer) -> list[str]:
     batch, prompt_len, steps = plan.engine_batch, plan.prompt_len, plan.decode_steps
     dtype_name = str(plan.bench_dtype)[6:]
     config = EngineConfig(
-        model="random-llama", dtype=dtype_name, device=plan.device.type, attention_backend="triton",
-        max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len, enable_prefix_caching=False,
-        max_model_len=prompt_len + 2 * steps + 8, kv_cache_memory_bytes=plan.engine_kv_bytes,
+        model="random-llama",
+        dtype=dtype_name,
+        device=plan.device.type,
+        attention_backend="triton",
+        max_num_seqs=batch,
+        max_num_batched_tokens=batch * prompt_len,
+        enable_prefix_caching=False,
+        max_model_len=prompt_len + 2 * steps + 8,
+        kv_cache_memory_bytes=plan.engine_kv_bytes,
     )
     engine = LLMEngine(config, hf_config=cfg)
     with torch.no_grad():  # a plain init, whatever the engine leaves in fresh parameters
@@ -92,8 +98,14 @@ def bench_engine(plan: Plan, timer: Timer) -> list[str]:
 
     def hf_generate(new_tokens: int) -> None:
         with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
         timer.sync()
 
     hf_generate(2)
@@ -103,11 +115,22 @@ def bench_engine(plan: Plan, timer: Timer) -> list[str]:
     hf_generate(steps + 1)
     t_end = time.perf_counter()
     hf_tps = batch * steps / max((t_end - t_all) - (t_all - t_first), 1e-9)
-    header = ["model", "batch", "prompt", "dtype", "kvray decode tok/s", "transformers decode tok/s",
-              "ratio"]
+    header = ["model", "batch", "prompt", "dtype", "kvray decode tok/s", "transformers decode tok/s", "ratio"]
     shape = f"Llama {cfg.num_hidden_layers}L h{cfg.hidden_size} (random)"
-    return table(header, [[shape, batch, prompt_len, dtype_name, f"{kvray_tps:.0f}", f"{hf_tps:.0f}",
-                           f"{kvray_tps / hf_tps:.2f}"]])
+    return table(
+        header,
+        [
+            [
+                shape,
+                batch,
+                prompt_len,
+                dtype_name,
+                f"{kvray_tps:.0f}",
+                f"{hf_tps:.0f}",
+                f"{kvray_tps / hf_tps:.2f}",
+            ]
+        ],
+    )
 
 
 def run(plan: Plan, smoke: bool) -> tuple[list[str], bool]:
@@ -120,9 +143,10 @@ def run(plan: Plan, smoke: bool) -> tuple[list[str], bool]:
     import triton  # after main() has set TRITON_INTERPRET (or not)
 
     report = [
-        f"# kvray GPU check{' (CPU smoke: tiny shapes, timings meaningless)' if smoke else ''}", "",
-        f"{where}; torch {torch.__version__}, triton {triton.__version__}; "
-        f"{time.strftime('%Y-%m-%d %H:%M')}", "",
+        f"# kvray GPU check{' (CPU smoke: tiny shapes, timings meaningless)' if smoke else ''}",
+        "",
+        f"{where}; torch {torch.__version__}, triton {triton.__version__}; {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
     ]
     print("\n".join(report), flush=True)
     ok = True
@@ -167,15 +191,16 @@ def run(plan: Plan, smoke: bool) -> tuple[list[str], bool]:
     section("Engine decode throughput", lambda: bench_engine(plan, timer))
     verdict = verdict or ["- not measured: the decode section did not finish"]
     report += ["## Targets" + (" (smoke: not judged)" if smoke else ""), "", *verdict, ""]
-    print("\n".join(report[-len(verdict) - 3:]))
+    print("\n".join(report[-len(verdict) - 3 :]))
     return report, ok
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu_check.md")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny shapes on the CPU under the Triton interpreter")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter"
+    )
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kvray kernel module is imported
@@ -184,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     elif torch.cuda.is_available():
         plan = GPU_PLAN
     else:
-        print("No CUDA GPU here: nothing to check. `--cpu-smoke` runs the same code paths on tiny "
-              "shapes under the Triton interpreter.")
+        print(
+            "No CUDA GPU here: nothing to check. `--cpu-smoke` runs the same code paths on tiny "
+            "shapes under the Triton interpreter."
+        )
         return 0
     report, ok = run(plan, args.cpu_smoke)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,21 +27,38 @@ def check_correctness(plan: Plan) -> tuple[list[str], bool]:
     rows, ok = [], True
     for dtype in plan.check_dtypes:
         for case in plan.cases:
-            b = make_paged_batch(case.q_lens, case.seq_lens, case.num_kv_heads, case.group,
-                                 case.head_dim, case.block_size, dtype, plan.device)
+            b = make_paged_batch(
+                case.q_lens,
+                case.seq_lens,
+                case.num_kv_heads,
+                case.group,
+                case.head_dim,
+                case.block_size,
+                dtype,
+                plan.device,
+            )
             out = torch.full_like(b.q, float("nan"))
             scale = case.head_dim**-0.5
-            unified_attention(b.q, b.k_cache, b.v_cache, out, *b.args(), scale, case.window,
-                              force_split=case.force_split)
+            unified_attention(
+                b.q, b.k_cache, b.v_cache, out, *b.args(), scale, case.window, force_split=case.force_split
+            )
             err = relative_error(out, attention_f64(b, scale, case.window))
             passed = err < REL_TOL[dtype]
             ok &= passed
-            rows.append([case.name, str(dtype)[6:], f"{err:.2e}", f"{REL_TOL[dtype]:.1e}",
-                         "ok" if passed else "FAIL"])
+            rows.append(
+                [case.name, str(dtype)[6:], f"{err:.2e}", f"{REL_TOL[dtype]:.1e}", "ok" if passed else "FAIL"]
+            )
         exact = _check_cache_writes(dtype, plan.device)
         ok &= exact
-        rows.append(["reshape_and_cache, slot -1 skipped", str(dtype)[6:], "exact" if exact else "differs",
-                     "exact", "ok" if exact else "FAIL"])
+        rows.append(
+            [
+                "reshape_and_cache, slot -1 skipped",
+                str(dtype)[6:],
+                "exact" if exact else "differs",
+                "exact",
+                "ok" if exact else "FAIL",
+            ]
+        )
     return table(["case", "dtype", "max rel err", "bound", "result"], rows), ok
 
 
@@ -90,11 +107,15 @@ def time_against_sdpa(plan: Plan, timer: Timer, batch: int, q_len: int, ctx: int
 
     num_q_heads, num_kv_heads, head_dim = plan.heads
     group, scale = num_q_heads // num_kv_heads, head_dim**-0.5
-    b = make_paged_batch([q_len] * batch, [ctx] * batch, num_kv_heads, group, head_dim, 16,
-                         plan.bench_dtype, plan.device)
+    b = make_paged_batch(
+        [q_len] * batch, [ctx] * batch, num_kv_heads, group, head_dim, 16, plan.bench_dtype, plan.device
+    )
     out = torch.empty_like(b.q)
-    t = timer.median_ms(lambda: unified_attention(
-        b.q, b.k_cache, b.v_cache, out, *b.args(), scale, max_seqlen_q=q_len, max_seqlen_k=ctx))
+    t = timer.median_ms(
+        lambda: unified_attention(
+            b.q, b.k_cache, b.v_cache, out, *b.args(), scale, max_seqlen_q=q_len, max_seqlen_k=ctx
+        )
+    )
     k, v = contiguous_kv(b)
     if q_len == 1:
         q = b.q.view(batch, num_kv_heads, group, head_dim)  # head h = kv_head * group + g
@@ -125,9 +146,20 @@ def bench_decode(plan: Plan, timer: Timer) -> tuple[list[str], list[str], bool]:
             gbps = r.kv_bytes / (r.kvray_ms * 1e-3) / 1e9
             frac, ratio = gbps * 1e9 / copy_bw, r.kvray_ms / r.sdpa_ms
             splits = triton_decode_split.choose_num_splits(batch, plan.heads[1], 1, ctx, sms)
-            rows.append([batch, ctx, "plain" if splits == 1 else f"split x{splits}", f"{r.kvray_ms:.3f}",
-                         f"{r.kv_bytes / 1e6:.1f}", f"{gbps:.0f}", f"{frac:.2f}", f"{r.sdpa_ms:.3f}",
-                         f"{ratio:.2f}", "yes" if r.matches else "NO"])
+            rows.append(
+                [
+                    batch,
+                    ctx,
+                    "plain" if splits == 1 else f"split x{splits}",
+                    f"{r.kvray_ms:.3f}",
+                    f"{r.kv_bytes / 1e6:.1f}",
+                    f"{gbps:.0f}",
+                    f"{frac:.2f}",
+                    f"{r.sdpa_ms:.3f}",
+                    f"{ratio:.2f}",
+                    "yes" if r.matches else "NO",
+                ]
+            )
             if (batch, ctx) == plan.target:
                 where = f"batch {batch} x context {ctx}"
                 verdict = [
@@ -136,8 +168,18 @@ def bench_decode(plan: Plan, timer: Timer) -> tuple[list[str], list[str], bool]:
                     f"- {where}: {ratio:.2f}x contiguous SDPA time (want <= {SDPA_TARGET}): "
                     + ("met" if ratio <= SDPA_TARGET else "MISSED"),
                 ]
-    header = ["batch", "context", "path", "kvray ms", "KV MB read", "GB/s", "of copy BW",
-              "SDPA ms", "kvray/SDPA", "matches SDPA"]
+    header = [
+        "batch",
+        "context",
+        "path",
+        "kvray ms",
+        "KV MB read",
+        "GB/s",
+        "of copy BW",
+        "SDPA ms",
+        "kvray/SDPA",
+        "matches SDPA",
+    ]
     note = [f"Copy bandwidth (read + write) measured in this run: {copy_bw / 1e9:.0f} GB/s.", ""]
     return note + table(header, rows), verdict, all_match
 
@@ -149,9 +191,16 @@ def bench_prefill(plan: Plan, timer: Timer) -> tuple[list[str], bool]:
     n = plan.prefill_len
     r = time_against_sdpa(plan, timer, 1, n, n)
     flops = 4 * num_q_heads * head_dim * n * (n + 1) / 2  # QK^T and PV, 2 FLOPs per MAC
-    rows = [[n, f"{r.kvray_ms:.3f}", f"{flops / r.kvray_ms / 1e9:.1f}", f"{r.sdpa_ms:.3f}",
-             f"{flops / r.sdpa_ms / 1e9:.1f}", f"{r.kvray_ms / r.sdpa_ms:.2f}",
-             "yes" if r.matches else "NO"]]
-    header = ["tokens", "kvray ms", "kvray TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "kvray/SDPA",
-              "matches SDPA"]
+    rows = [
+        [
+            n,
+            f"{r.kvray_ms:.3f}",
+            f"{flops / r.kvray_ms / 1e9:.1f}",
+            f"{r.sdpa_ms:.3f}",
+            f"{flops / r.sdpa_ms / 1e9:.1f}",
+            f"{r.kvray_ms / r.sdpa_ms:.2f}",
+            "yes" if r.matches else "NO",
+        ]
+    ]
+    header = ["tokens", "kvray ms", "kvray TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "kvray/SDPA", "matches SDPA"]
     return table(header, rows), r.matches

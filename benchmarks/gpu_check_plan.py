@@ -54,24 +54,43 @@ class Plan:
 
 
 GPU_PLAN = Plan(
-    device=torch.device("cuda"), check_dtypes=(torch.bfloat16, torch.float16),
+    device=torch.device("cuda"),
+    check_dtypes=(torch.bfloat16, torch.float16),
     bench_dtype=torch.bfloat16,
     cases=[
         Case("mixed decode + chunks", [1, 300, 1, 77, 1, 513], [1500, 900, 33, 77, 4000, 513], 8, 4, 128),
-        Case("mixed, window 256", [1, 300, 1, 77, 1, 513], [1500, 900, 33, 77, 4000, 513], 8, 4, 128,
-             window=256),
+        Case(
+            "mixed, window 256",
+            [1, 300, 1, 77, 1, 513],
+            [1500, 900, 33, 77, 4000, 513],
+            8,
+            4,
+            128,
+            window=256,
+        ),
         Case("mixed, D 80, block 32", [1, 200, 1, 64], [700, 450, 3000, 64], 4, 3, 80, block_size=32),
         Case("decode, split rule", [1, 1, 1, 1], [5000, 2047, 17, 9000], 8, 4, 128),
         Case("decode, plain forced", [1, 1, 1, 1], [5000, 2047, 17, 9000], 8, 4, 128, force_split=False),
     ],
-    heads=(32, 8, 128), decode_batches=(1, 16, 64), decode_contexts=(1024, 4096, 16384),
-    target=(64, 4096), prefill_len=4096,
-    model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
+    heads=(32, 8, 128),
+    decode_batches=(1, 16, 64),
+    decode_contexts=(1024, 4096, 16384),
+    target=(64, 4096),
+    prefill_len=4096,
+    model=dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    ),
 )
 
 SMOKE_PLAN = Plan(
-    device=torch.device("cpu"), check_dtypes=(torch.float32, torch.float16),
+    device=torch.device("cpu"),
+    check_dtypes=(torch.float32, torch.float16),
     bench_dtype=torch.float32,
     cases=[
         Case("mixed decode + chunks", [1, 19, 13, 1], [37, 50, 13, 1], 1, 4, 64),
@@ -79,11 +98,26 @@ SMOKE_PLAN = Plan(
         Case("decode, split rule", [1, 1], [600, 9], 1, 4, 64),
         Case("decode, plain forced", [1, 1], [600, 9], 1, 4, 64, force_split=False),
     ],
-    heads=(4, 2, 64), decode_batches=(1, 2), decode_contexts=(128, 640), target=(2, 640),
+    heads=(4, 2, 64),
+    decode_batches=(1, 2),
+    decode_contexts=(128, 640),
+    target=(2, 640),
     prefill_len=64,
-    model=dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256),
-    engine_batch=4, engine_kv_bytes=16 << 20, prompt_len=8, decode_steps=3, warmup=1, reps=2,
+    model=dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    ),
+    engine_batch=4,
+    engine_kv_bytes=16 << 20,
+    prompt_len=8,
+    decode_steps=3,
+    warmup=1,
+    reps=2,
 )
 
 

@@ -68,13 +68,19 @@ def decode_flops_per_token(hf_config, context: float) -> float:
 def run_kvray(model: str, reqs, args) -> dict:
     from kvray.engine import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
     engine = llm.engine
     llm.generate([{"prompt_token_ids": reqs[0][0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
     for i, (ids, m) in enumerate(reqs):
-        engine.add_request(str(i), {"prompt_token_ids": ids},
-                           SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        engine.add_request(
+            str(i), {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+        )
     decode_time, decode_tokens, decode_ctx = 0.0, 0, 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -92,9 +98,13 @@ def run_kvray(model: str, reqs, args) -> dict:
     generated = sum(m for _, m in reqs)
     avg_ctx = decode_ctx / max(decode_tokens, 1)
     flops = decode_flops_per_token(engine.hf_config, avg_ctx) * decode_tokens
-    out = {"seconds": elapsed, "tok_s": generated / elapsed,
-           "decode_tok_s": decode_tokens / max(decode_time, 1e-9),
-           "decode_flops_s": flops / max(decode_time, 1e-9), "decode_share": decode_time / elapsed}
+    out = {
+        "seconds": elapsed,
+        "tok_s": generated / elapsed,
+        "decode_tok_s": decode_tokens / max(decode_time, 1e-9),
+        "decode_flops_s": flops / max(decode_time, 1e-9),
+        "decode_share": decode_time / elapsed,
+    }
     if args.profile:
         out["profile"] = profile_decode(llm, reqs)
     return out
@@ -107,8 +117,14 @@ def profile_decode(llm, reqs, steps: int = 5) -> str:
 
     engine = llm.engine
     for i, (ids, _) in enumerate(reqs[: llm.engine.config.max_num_seqs]):
-        engine.add_request(f"p{i}", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.scheduler.running):
+        engine.add_request(
+            f"p{i}",
+            {"prompt_token_ids": ids},
+            SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+        )
+    while engine.scheduler.waiting or any(
+        r.num_tokens - r.num_computed_tokens > 1 for r in engine.scheduler.running
+    ):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -131,8 +147,14 @@ def run_transformers(model_path, reqs, batch_size: int) -> dict:
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
         longest = max(m for _, m in batch)
         with torch.no_grad():
-            model.generate(input_ids, attention_mask=mask, max_new_tokens=longest,
-                           min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+            )
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "tok_s": sum(m for _, m in reqs) / elapsed}
 
@@ -160,20 +182,30 @@ def main() -> None:
     kv = run_kvray(str(path), reqs, args)
     hf = None if args.skip_baseline else run_transformers(path, reqs, args.baseline_batch_size)
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s")
-    print(f"workload: {len(reqs)} requests, prompts {sum(len(i) for i, _ in reqs)} tokens, "
-          f"generated {sum(m for _, m in reqs)} tokens, bf16, greedy, ignore_eos\n")
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s"
+    )
+    print(
+        f"workload: {len(reqs)} requests, prompts {sum(len(i) for i, _ in reqs)} tokens, "
+        f"generated {sum(m for _, m in reqs)} tokens, bf16, greedy, ignore_eos\n"
+    )
     print("| engine | seconds | generated tok/s |")
     print("|---|---|---|")
-    print(f"| kvray LLM.generate (max_num_seqs={args.max_num_seqs}) | {kv['seconds']:.1f} | {kv['tok_s']:.1f} |")
+    print(
+        f"| kvray LLM.generate (max_num_seqs={args.max_num_seqs}) | {kv['seconds']:.1f} | {kv['tok_s']:.1f} |"
+    )
     if hf:
-        print(f"| transformers generate, static batches of {args.baseline_batch_size} | "
-              f"{hf['seconds']:.1f} | {hf['tok_s']:.1f} |")
+        print(
+            f"| transformers generate, static batches of {args.baseline_batch_size} | "
+            f"{hf['seconds']:.1f} | {hf['tok_s']:.1f} |"
+        )
         print(f"\nratio kvray / transformers: **{kv['tok_s'] / hf['tok_s']:.2f}x**")
-    print(f"kvray decode-only steps: {kv['decode_tok_s']:.0f} tok/s, "
-          f"{kv['decode_flops_s'] / 1e9:.0f} GFLOP/s = {100 * kv['decode_flops_s'] / peak:.0f}% of the "
-          f"bf16 matmul peak (MFU); decode steps took {100 * kv['decode_share']:.0f}% of kvray's time")
+    print(
+        f"kvray decode-only steps: {kv['decode_tok_s']:.0f} tok/s, "
+        f"{kv['decode_flops_s'] / 1e9:.0f} GFLOP/s = {100 * kv['decode_flops_s'] / peak:.0f}% of the "
+        f"bf16 matmul peak (MFU); decode steps took {100 * kv['decode_share']:.0f}% of kvray's time"
+    )
     if "profile" in kv:
         print("\nwhere a decode step's time goes (torch.profiler, 5 steps at full batch):\n")
         print(kv["profile"])

@@ -42,8 +42,15 @@ class PagedBatch:
 
 
 def make_paged_batch(
-    q_lens: list[int], seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
-    block_size: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
 ) -> PagedBatch:
     """Random q and K/V (drawn on `device`, so large caches cost no host transfer)."""
     gen = torch.Generator(device).manual_seed(seed)
@@ -66,7 +73,9 @@ def make_paged_batch(
         v_cache=torch.randn(shape, **rand).to(dtype),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables, q_lens=list(q_lens), seq_lens_host=list(seq_lens),
+        block_tables=tables,
+        q_lens=list(q_lens),
+        seq_lens_host=list(seq_lens),
     )
 
 
@@ -90,7 +99,7 @@ def attention_f64(batch: PagedBatch, scale: float, window: int | None) -> torch.
         keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         pos = torch.arange(ctx, device=out.device)
-        q_pos = pos[ctx - (hi - lo):]
+        q_pos = pos[ctx - (hi - lo) :]
         visible = pos[None, :] <= q_pos[:, None]
         if window is not None:
             visible &= pos[None, :] > q_pos[:, None] - window

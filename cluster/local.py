@@ -29,8 +29,12 @@ def ensure_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="kvray-ray-")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}},
+    )
     return True
 
 
@@ -43,16 +47,18 @@ class KvrayCluster:
     workers: dict[str, tuple[str, object, object]] = field(default_factory=dict)  # id -> (role, actor, pg)
     started_ray: bool = False
 
-    def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[RequestOutput]:
+    def generate(
+        self, prompt, params: SamplingParams, request_id: str | None = None
+    ) -> Iterator[RequestOutput]:
         """Blocking stream of cumulative outputs (the Python entry point without HTTP)."""
         for ref in self.router.generate.remote(prompt, params, request_id):
             yield ray.get(ref)
 
     def complete(self, prompt, params: SamplingParams) -> RequestOutput:
-        out = None
-        for out in self.generate(prompt, params):
+        final = None
+        for final in self.generate(prompt, params):  # noqa: B007 (keep the last)
             pass
-        return out
+        return final
 
     def shutdown(self) -> None:
         ray.kill(self.router)

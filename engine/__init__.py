@@ -8,6 +8,12 @@ from kvray.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvray.engine.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "AsyncLLM", "EngineConfig", "LLMEngine", "SamplingParams",
-    "RequestOutput", "CompletionOutput", "Logprob",
+    "LLM",
+    "AsyncLLM",
+    "EngineConfig",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
 ]

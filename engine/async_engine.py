@@ -90,8 +90,9 @@ class AsyncLLM:
         deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes (the last has finished=True)."""
-        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, sampling_params,
-                                        priority, deadline)
+        stream = await self.add_request(
+            request_id or uuid.uuid4().hex, prompt, sampling_params, priority, deadline
+        )
         try:
             async for out in stream:
                 yield out
@@ -100,8 +101,12 @@ class AsyncLLM:
                 self.abort(stream.request_id)
 
     async def add_prefilled_request(
-        self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams,
-        first_token: int, first_logprobs=None,
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling_params: SamplingParams,
+        first_token: int,
+        first_logprobs=None,
     ) -> tuple[OutputStream, list[int] | None]:
         """Continue a request prefilled elsewhere (see LLMEngine.add_prefilled_request);
         returns its stream and the blocks to pull the prompt's KV into, if any."""
@@ -162,8 +167,14 @@ class AsyncLLM:
             elif command[0] == "add":
                 _, stream, prompt, params, priority, deadline, kv_lease, accepted = command
                 try:
-                    self.engine.add_request(stream.request_id, prompt, params, priority=priority,
-                                            deadline=deadline, kv_lease=kv_lease)
+                    self.engine.add_request(
+                        stream.request_id,
+                        prompt,
+                        params,
+                        priority=priority,
+                        deadline=deadline,
+                        kv_lease=kv_lease,
+                    )
                 except Exception as e:
                     accepted.set_exception(e)
                     continue

@@ -50,5 +50,7 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 raise InvalidArgumentError(
-                    name, getattr(self, name), "1 in a single-process engine (shard groups run on Ray workers)"
+                    name,
+                    getattr(self, name),
+                    "1 in a single-process engine (shard groups run on Ray workers)",
                 )

@@ -10,6 +10,10 @@ blocks that were reused meanwhile: a pin that is being read cannot expire.
 Packed layout of n blocks (one tensor, so a transfer is one message, not n * layers)::
 
     [num_layers, 2 (k, v), n, block_size, num_kv_heads, head_dim]
+
+A large transfer goes as a few such tensors, each a contiguous range of layers
+(`layer_chunks`), so packing one chunk overlaps with sending the previous one and
+unpacking overlaps with receiving.
 """
 
 from __future__ import annotations
@@ -56,25 +60,41 @@ class KVTicket:
     lease_deadline: float  # time.time() after which the blocks may be reused
 
 
-def pack_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> torch.Tensor:
-    """Copy the blocks of every layer into one contiguous tensor (see the module docstring)."""
+CHUNK_BYTES = 1 << 20  # target size of one message of a chunked transfer
+
+
+def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int = CHUNK_BYTES) -> list[range]:
+    """Contiguous layer ranges of about `chunk_bytes` each (both sides compute the same)."""
+    per_layer = layout.packed_bytes(num_blocks) // layout.num_layers
+    step = max(1, chunk_bytes // max(per_layer, 1))
+    return [range(i, min(i + step, layout.num_layers)) for i in range(0, layout.num_layers, step)]
+
+
+def pack_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], layers: range | None = None
+) -> torch.Tensor:
+    """Copy the blocks of the given layers (all by default) into one contiguous tensor."""
+    layers = layers if layers is not None else range(len(kv_caches))
     k0 = kv_caches[0][0]
     index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
-    out = torch.empty((len(kv_caches), 2, len(block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
-    for layer, (k, v) in enumerate(kv_caches):
-        torch.index_select(k, 0, index, out=out[layer, 0])
-        torch.index_select(v, 0, index, out=out[layer, 1])
+    out = torch.empty((len(layers), 2, len(block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+    for i, layer in enumerate(layers):
+        k, v = kv_caches[layer]
+        torch.index_select(k, 0, index, out=out[i, 0])
+        torch.index_select(v, 0, index, out=out[i, 1])
     return out
 
 
-def unpack_blocks(kv_caches, block_ids: list[int], packed: torch.Tensor) -> None:
-    """Write a packed tensor's blocks into this engine's caches at `block_ids`."""
+def unpack_blocks(kv_caches, block_ids: list[int], packed: torch.Tensor, layers: range | None = None) -> None:
+    """Write packed blocks (of the given layers, all by default) into the caches at `block_ids`."""
+    layers = layers if layers is not None else range(len(kv_caches))
     k0 = kv_caches[0][0]
     index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
     packed = packed.to(device=k0.device, dtype=k0.dtype)
-    for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, index, packed[layer, 0])
-        v.index_copy_(0, index, packed[layer, 1])
+    for i, layer in enumerate(layers):
+        k, v = kv_caches[layer]
+        k.index_copy_(0, index, packed[i, 0])
+        v.index_copy_(0, index, packed[i, 1])
 
 
 @dataclass
@@ -94,8 +114,14 @@ class PinTable:
     pins: dict[str, _Pin] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, request_id: str, blocks: list[int], deadline: float, num_tokens: int,
-            block_hashes: tuple[bytes, ...]) -> None:
+    def add(
+        self,
+        request_id: str,
+        blocks: list[int],
+        deadline: float,
+        num_tokens: int,
+        block_hashes: tuple[bytes, ...],
+    ) -> None:
         with self.lock:
             self.pins[request_id] = _Pin(list(blocks), deadline, num_tokens, block_hashes)
 

@@ -30,11 +30,18 @@ class LLM:
         **kwargs,
     ):
         config = EngineConfig(
-            model=model, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size, seed=seed,
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            seed=seed,
             **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
         )
         engine_kwargs = {k: kwargs[k] for k in ("hf_config", "tokenizer") if k in kwargs}
@@ -69,7 +76,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise InvalidArgumentError(
-                    "sampling_params", f"<{len(params)} items>", f"one SamplingParams or {len(prompts)} of them"
+                    "sampling_params",
+                    f"<{len(params)} items>",
+                    f"one SamplingParams or {len(prompts)} of them",
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         engine = self.engine
@@ -110,10 +119,13 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
-    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
         return self.tokenizer(text, add_special_tokens=False).input_ids

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -28,7 +27,7 @@ from kvray.models.loader import build_model, load_config, load_tokenizer, resolv
 
 logger = logging.getLogger(__name__)
 
-PromptInput = Union[str, dict, list]  # text, {"prompt_token_ids": [...]}, or token ids
+PromptInput = str | dict | list  # text, {"prompt_token_ids": [...]}, or token ids
 
 
 @dataclass
@@ -57,7 +56,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, model, hf_config, self.device, self.dtype, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
             config.scheduling_policy,
         )
         self.outputs = OutputProcessor(tokenizer)
@@ -111,7 +113,8 @@ class LLMEngine:
             raise InvalidArgumentError("prompt", prompt_ids, "at least 1 token")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidArgumentError(
-                "prompt", f"<{len(prompt_ids)} tokens>",
+                "prompt",
+                f"<{len(prompt_ids)} tokens>",
                 f"at most {self.max_model_len - 1} tokens (max_model_len={self.max_model_len})",
             )
         vocab = self.hf_config.vocab_size
@@ -119,8 +122,13 @@ class LLMEngine:
             raise InvalidArgumentError("prompt_token_ids", "out of range", f"ids in [0, {vocab - 1}]")
 
     def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams,
-        priority: int = 0, deadline: float | None = None, kv_lease: float | None = None,
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int = 0,
+        deadline: float | None = None,
+        kv_lease: float | None = None,
     ) -> None:
         """Queue a request. With `kv_lease` (seconds) it is a prefill for a decode worker:
         when it finishes, its blocks stay pinned for that long (see `kv_ticket`)."""
@@ -139,9 +147,16 @@ class LLMEngine:
         samples = [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=ids, sampling_params=params, eos_token_ids=self.eos_token_ids,
-                block_size=self.config.block_size, prompt=text, arrival_time=now,
-                priority=priority, deadline=deadline, sample_index=i, group=group,
+                prompt_token_ids=ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                block_size=self.config.block_size,
+                prompt=text,
+                arrival_time=now,
+                priority=priority,
+                deadline=deadline,
+                sample_index=i,
+                group=group,
                 parent_id=request_id if params.n > 1 else None,
             )
             for i in range(params.n)
@@ -176,7 +191,9 @@ class LLMEngine:
         self.expire_kv_leases()
         pending = self.take_pending_outputs()
         sched = self.scheduler.schedule()
-        self.last_step = StepStats(sched.total_tokens, len(self.scheduler.running), len(self.scheduler.waiting))
+        self.last_step = StepStats(
+            sched.total_tokens, len(self.scheduler.running), len(self.scheduler.waiting)
+        )
         if not sched.requests:
             return pending
         tables = [self.kv.block_ids(r.request_id) for r in sched.requests]
@@ -193,8 +210,13 @@ class LLMEngine:
             if req.finished:
                 self.runner.sampler.forget(req.request_id)
                 if req.pinned_blocks is not None:
-                    self.pins.add(req.request_id, req.pinned_blocks, time.time() + req.kv_lease,
-                                  req.num_prompt_tokens, tuple(req.block_hashes))
+                    self.pins.add(
+                        req.request_id,
+                        req.pinned_blocks,
+                        time.time() + req.kv_lease,
+                        req.num_prompt_tokens,
+                        tuple(req.block_hashes),
+                    )
             touched[self.outputs.parent_of(req.request_id)] = None
         return pending + [self.outputs.output(rid) for rid in touched]
 
@@ -210,16 +232,24 @@ class LLMEngine:
     @property
     def kv_layout(self) -> KVLayout:
         r = self.runner
-        return KVLayout(r.num_layers, r.block_size, r.num_kv_heads, r.head_dim, str(r.dtype).removeprefix("torch."))
+        return KVLayout(
+            r.num_layers, r.block_size, r.num_kv_heads, r.head_dim, str(r.dtype).removeprefix("torch.")
+        )
 
     def kv_ticket(self, worker_id: str, request_id: str) -> KVTicket | None:
         """The ticket of a finished prefill (None if its blocks are not pinned)."""
         pin = self.pins.pins.get(request_id)
         if pin is None:
             return None
-        return KVTicket(worker_id, request_id, tuple(pin.blocks), pin.num_tokens,
-                        pin.block_hashes[: pin.num_tokens // self.config.block_size],
-                        self.kv_layout, pin.deadline)
+        return KVTicket(
+            worker_id,
+            request_id,
+            tuple(pin.blocks),
+            pin.num_tokens,
+            pin.block_hashes[: pin.num_tokens // self.config.block_size],
+            self.kv_layout,
+            pin.deadline,
+        )
 
     def release_kv(self, request_id: str) -> bool:
         """The decode side has the blocks (or gave up): unpin them. Engine thread only."""
@@ -236,8 +266,13 @@ class LLMEngine:
     # ---- disaggregation: the decode side ------------------------------------------------
 
     def add_prefilled_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, first_token: int,
-        first_logprobs=None, priority: int = 0,
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        first_token: int,
+        first_logprobs=None,
+        priority: int = 0,
     ) -> list[int] | None:
         """Continue a request whose prompt was prefilled elsewhere and whose first token
         was sampled there. Returns the blocks to pull the prompt's KV into, then call

@@ -40,8 +40,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        hf_config,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ):
         self.config = config
         self.model = model
         self.device = device

@@ -34,8 +34,9 @@ class OutputProcessor:
         first = samples[0]
         p = first.sampling_params
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings,
-                                   p.include_stop_str_in_output)
+            IncrementalDetokenizer(
+                self.tokenizer, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
+            )
             for _ in samples
         ]
         self.tracked[request_id] = _Tracked(

@@ -24,9 +24,7 @@ def reshape_and_cache_ref(
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
 
 
-def context_mask(
-    q_len: int, seq_len: int, sliding_window: int | None, device: torch.device
-) -> torch.Tensor:
+def context_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
     """Bool [q_len, seq_len]: True where query row i (position seq_len-q_len+i) sees key j."""
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
@@ -36,9 +34,7 @@ def context_mask(
     return mask
 
 
-def gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[seq_len, Hkv, D]: one sequence's cached K or V, read through its block table."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size

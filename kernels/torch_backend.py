@@ -61,8 +61,10 @@ def split_by_length(lengths: list[int], group_cost: int, max_groups: int) -> lis
     for g in range(1, max_groups + 1):
         for end in range(1, n + 1):
             options = [
-                (best[(g - 1, start)][0] + (end - start) * lengths[end - 1] + group_cost,
-                 best[(g - 1, start)][1] + [end])
+                (
+                    best[(g - 1, start)][0] + (end - start) * lengths[end - 1] + group_cost,
+                    best[(g - 1, start)][1] + [end],
+                )
                 for start in range(end)
                 if (g - 1, start) in best
             ]

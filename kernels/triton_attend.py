@@ -25,16 +25,28 @@ TILE_N = 32  # context positions per KV tile (any block size works: positions ar
 
 @triton.jit
 def attend_tiles(
-    acc, m_i, l_i,  # [BLOCK_M, BLOCK_D], [BLOCK_M], [BLOCK_M] fp32 running softmax state
+    acc,
+    m_i,
+    l_i,  # [BLOCK_M, BLOCK_D], [BLOCK_M], [BLOCK_M] fp32 running softmax state
     q,  # [BLOCK_M, BLOCK_D] query rows (compute dtype)
     q_pos,  # [BLOCK_M] int32 absolute position of each row; -1 for padding rows
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_table_ptr,  # int32 [max_blocks]: this sequence's row of block_tables
-    kv_head, key_lo, key_hi,  # scan context positions [key_lo, key_hi) of this KV head
-    qk_scale, window, head_dim,  # scale * log2(e); sliding window (if HAS_WINDOW); real D
-    stride_cb, stride_co, stride_ch,  # cache strides (block, offset, head)
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    kv_head,
+    key_lo,
+    key_hi,  # scan context positions [key_lo, key_hi) of this KV head
+    qk_scale,
+    window,
+    head_dim,  # scale * log2(e); sliding window (if HAS_WINDOW); real D
+    stride_cb,
+    stride_co,
+    stride_ch,  # cache strides (block, offset, head)
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
@@ -43,8 +55,11 @@ def attend_tiles(
         k_ok = k_pos < key_hi
         block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         base = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        k_t = tl.load(k_cache_ptr + base[None, :] + dims[:, None],  # [BLOCK_D, TILE_N]
-                      mask=dim_ok[:, None] & k_ok[None, :], other=0.0)
+        k_t = tl.load(
+            k_cache_ptr + base[None, :] + dims[:, None],  # [BLOCK_D, TILE_N]
+            mask=dim_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -55,8 +70,11 @@ def attend_tiles(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base[:, None] + dims[None, :],  # [TILE_N, BLOCK_D]
-                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(
+            v_cache_ptr + base[:, None] + dims[None, :],  # [TILE_N, BLOCK_D]
+            mask=k_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new

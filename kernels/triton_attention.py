@@ -56,17 +56,32 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _unified_attention_kernel(
     q_ptr,  # [T, Hq, D]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     out_ptr,  # [T, Hq, D]
     cu_seqlens_q_ptr,  # int32 [S+1]
     seq_lens_ptr,  # int32 [S]
     block_tables_ptr,  # int32 [S, max_blocks]
-    qk_scale, window, num_seqs, head_dim,  # scale * log2(e); window or 0; S; real D
-    stride_qt, stride_qh, stride_ot, stride_oh,  # q / out strides (token, head)
-    stride_cb, stride_co, stride_ch, stride_bt,  # cache (block, offset, head); table row
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale,
+    window,
+    num_seqs,
+    head_dim,  # scale * log2(e); window or 0; S; real D
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,  # q / out strides (token, head)
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_bt,  # cache (block, offset, head); table row
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,8 +101,9 @@ def _unified_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (dims < head_dim)[None, :]
     q_row = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=mask, other=0.0)
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0
+    )
 
     key_hi = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
     key_lo = 0
@@ -97,14 +113,35 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, key_lo, key_hi,
-        qk_scale, window, head_dim, stride_cb, stride_co, stride_ch,
-        BLOCK_SIZE, TILE_N, BLOCK_D, HAS_WINDOW, DOT_PRECISION,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        kv_head,
+        key_lo,
+        key_hi,
+        qk_scale,
+        window,
+        head_dim,
+        stride_cb,
+        stride_co,
+        stride_ch,
+        BLOCK_SIZE,
+        TILE_N,
+        BLOCK_D,
+        HAS_WINDOW,
+        DOT_PRECISION,
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def unified_attention(
@@ -159,14 +196,26 @@ def unified_attention(
         block_tables = block_tables.contiguous()
     group = num_q_heads // num_kv_heads
     common = dict(
-        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
-        cu_seqlens_q_ptr=cu_seqlens_q, seq_lens_ptr=seq_lens, block_tables_ptr=block_tables,
-        qk_scale=scale * LOG2E, window=sliding_window or 0, head_dim=head_dim,
-        stride_qt=q.stride(0), stride_qh=q.stride(1),
-        stride_cb=k_cache.stride(0), stride_co=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        q_ptr=q,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        cu_seqlens_q_ptr=cu_seqlens_q,
+        seq_lens_ptr=seq_lens,
+        block_tables_ptr=block_tables,
+        qk_scale=scale * LOG2E,
+        window=sliding_window or 0,
+        head_dim=head_dim,
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_cb=k_cache.stride(0),
+        stride_co=k_cache.stride(1),
+        stride_ch=k_cache.stride(2),
         stride_bt=block_tables.stride(0),
-        GROUP=group, BLOCK_SIZE=k_cache.shape[1], TILE_N=TILE_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), HAS_WINDOW=sliding_window is not None,
+        GROUP=group,
+        BLOCK_SIZE=k_cache.shape[1],
+        TILE_N=TILE_N,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # no TF32 for fp32
     )
 
@@ -181,11 +230,13 @@ def unified_attention(
             raise InvalidArgumentError("force_split", force_split, allowed)
         visible = min(max_seqlen_k, sliding_window or max_seqlen_k)
         rule = triton_decode_split.choose_num_splits(
-            num_seqs, num_kv_heads, max_seqlen_q, visible, triton_decode_split.num_sms(q.device))
+            num_seqs, num_kv_heads, max_seqlen_q, visible, triton_decode_split.num_sms(q.device)
+        )
         if force_split or rule > 1:
             splits = num_splits or max(2, rule)
             triton_decode_split.split_decode(
-                out, common, num_seqs, num_q_heads, num_kv_heads, splits, visible)
+                out, common, num_seqs, num_q_heads, num_kv_heads, splits, visible
+            )
             return
 
     # Decode rows need few q rows per program; prefill chunks fill bigger tiles.
@@ -194,6 +245,11 @@ def unified_attention(
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        **common, out_ptr=out, num_seqs=num_seqs,
-        stride_ot=out.stride(0), stride_oh=out.stride(1), BLOCK_M=block_m, BLOCK_Q=block_q,
+        **common,
+        out_ptr=out,
+        num_seqs=num_seqs,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
     )

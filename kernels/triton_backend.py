@@ -48,8 +48,15 @@ class TritonBackend(AttentionBackend):
         plan = meta.plan if isinstance(meta.plan, _TritonPlan) else None
         out = torch.empty_like(q)
         unified_attention(
-            q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            scale, sliding_window,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            sliding_window,
             max_seqlen_q=plan.max_seqlen_q if plan else None,
             max_seqlen_k=plan.max_seqlen_k if plan else None,
         )

@@ -32,18 +32,35 @@ ASSUMED_NUM_SMS = 132  # off-GPU (interpreter) stand-in for the SM count (H100/H
 @triton.jit
 def _split_decode_kernel(
     q_ptr,  # [T, Hq, D]; every sequence has q_len <= 1
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     partial_out_ptr,  # fp32 [S, Hq, num_splits, D]: split's output, already normalised
     partial_lse_ptr,  # fp32 [S, Hq, num_splits]: split's log2-sum-exp2 (-inf if empty)
     cu_seqlens_q_ptr,  # int32 [S+1]
     seq_lens_ptr,  # int32 [S]
     block_tables_ptr,  # int32 [S, max_blocks]
-    qk_scale, window, head_dim, split_len,  # split_len: keys per split, multiple of TILE_N
-    stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt,
-    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,  # partial_out (3), partial_lse (2)
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale,
+    window,
+    head_dim,
+    split_len,  # split_len: keys per split, multiple of TILE_N
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_bt,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_ls,
+    stride_lh,  # partial_out (3), partial_lse (2)
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,17 +80,38 @@ def _split_decode_kernel(
     head = kv_head * GROUP + rows
     dims = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (dims < head_dim)[None, :]
-    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh
-                + dims[None, :], mask=mask, other=0.0)
+    q = tl.load(
+        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )
     q_pos = tl.where(row_ok, seq_len - 1, -1)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, key_lo, key_hi,
-        qk_scale, window, head_dim, stride_cb, stride_co, stride_ch,
-        BLOCK_SIZE, TILE_N, BLOCK_D, HAS_WINDOW, DOT_PRECISION,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        kv_head,
+        key_lo,
+        key_hi,
+        qk_scale,
+        window,
+        head_dim,
+        stride_cb,
+        stride_co,
+        stride_ch,
+        BLOCK_SIZE,
+        TILE_N,
+        BLOCK_D,
+        HAS_WINDOW,
+        DOT_PRECISION,
     )
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -89,10 +127,17 @@ def _split_reduce_kernel(
     partial_lse_ptr,  # fp32 [S, Hq, num_splits]
     out_ptr,  # [T, Hq, D]
     cu_seqlens_q_ptr,  # int32 [S+1]
-    num_splits, head_dim,
-    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,  # partial_out (3), partial_lse (2)
-    stride_ot, stride_oh,  # out strides (token, head)
-    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_splits,
+    head_dim,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_ls,
+    stride_lh,  # partial_out (3), partial_lse (2)
+    stride_ot,
+    stride_oh,  # out strides (token, head)
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -103,14 +148,18 @@ def _split_reduce_kernel(
     split_ok = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    lse = tl.load(partial_lse_ptr + seq * stride_ls + head * stride_lh + splits,
-                  mask=split_ok, other=float("-inf"))
+    lse = tl.load(
+        partial_lse_ptr + seq * stride_ls + head * stride_lh + splits, mask=split_ok, other=float("-inf")
+    )
     weight = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_SPLITS]; empty splits weigh 0
     part = seq * stride_ps + head * stride_ph + splits[:, None] * stride_pk + dims[None, :]
     o = tl.load(partial_out_ptr + part, mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
     o = tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
-             o.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
+        o.to(out_ptr.dtype.element_ty),
+        mask=dim_ok,
+    )
 
 
 @functools.lru_cache
@@ -141,8 +190,13 @@ def choose_num_splits(
 
 
 def split_decode(
-    out: torch.Tensor, common: dict, num_seqs: int, num_q_heads: int, num_kv_heads: int,
-    splits: int, visible: int,
+    out: torch.Tensor,
+    common: dict,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    splits: int,
+    visible: int,
 ) -> None:
     """Flash-decoding: partial results per split, then a log-sum-exp merge into `out`.
 
@@ -159,17 +213,30 @@ def split_decode(
     partial_lse = torch.empty(num_seqs, num_q_heads, splits, **scratch)
     split_len = triton.cdiv(triton.cdiv(visible, splits), TILE_N) * TILE_N
     strides = dict(
-        stride_ps=partial_out.stride(0), stride_ph=partial_out.stride(1),
+        stride_ps=partial_out.stride(0),
+        stride_ph=partial_out.stride(1),
         stride_pk=partial_out.stride(2),
-        stride_ls=partial_lse.stride(0), stride_lh=partial_lse.stride(1),
+        stride_ls=partial_lse.stride(0),
+        stride_lh=partial_lse.stride(1),
     )
     _split_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        **common, **strides, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse,
-        split_len=split_len, BLOCK_M=max(16, triton.next_power_of_2(common["GROUP"])),
+        **common,
+        **strides,
+        partial_out_ptr=partial_out,
+        partial_lse_ptr=partial_lse,
+        split_len=split_len,
+        BLOCK_M=max(16, triton.next_power_of_2(common["GROUP"])),
     )
     _split_reduce_kernel[(num_seqs, num_q_heads)](
-        **strides, partial_out_ptr=partial_out, partial_lse_ptr=partial_lse, out_ptr=out,
-        cu_seqlens_q_ptr=common["cu_seqlens_q_ptr"], num_splits=splits, head_dim=head_dim,
-        stride_ot=out.stride(0), stride_oh=out.stride(1),
-        BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_D=common["BLOCK_D"],
+        **strides,
+        partial_out_ptr=partial_out,
+        partial_lse_ptr=partial_lse,
+        out_ptr=out,
+        cu_seqlens_q_ptr=common["cu_seqlens_q_ptr"],
+        num_splits=splits,
+        head_dim=head_dim,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        BLOCK_SPLITS=triton.next_power_of_2(splits),
+        BLOCK_D=common["BLOCK_D"],
     )

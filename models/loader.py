@@ -29,7 +29,11 @@ def resolve_model_path(model: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+        return Path(
+            snapshot_download(
+                model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
+            )
+        )
     except Exception as e:  # network refused, repository missing, ...
         raise UnknownModelError("model", model, f"{allowed} (hub fetch failed: {type(e).__name__})") from e
 

@@ -19,6 +19,4 @@ def model_class(config) -> type[nn.Module]:
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
-    raise UnsupportedArchitectureError(
-        "model.architectures", archs, f"one of {sorted(MODEL_REGISTRY)}"
-    )
+    raise UnsupportedArchitectureError("model.architectures", archs, f"one of {sorted(MODEL_REGISTRY)}")

@@ -37,8 +37,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=model.generation_config.eos_token_id,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.generation_config.eos_token_id,
         )
     return out[0, len(prompt_ids) :].tolist()
 

@@ -17,8 +17,10 @@ from kvray.engine import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SHARED = ("A paged KV cache splits each sequence's keys and values into fixed-size blocks, "
-          "so memory is allocated on demand and blocks can be shared between requests. ")
+SHARED = (
+    "A paged KV cache splits each sequence's keys and values into fixed-size blocks, "
+    "so memory is allocated on demand and blocks can be shared between requests. "
+)
 PROMPTS = [
     "The capital of France is",
     SHARED + "The main benefit is",
@@ -43,8 +45,12 @@ def local_ray(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_args(smollm2_path):
-    return {"model": str(smollm2_path), "dtype": "float32", "max_model_len": 512,
-            "kv_cache_memory_bytes": 48 << 20}
+    return {
+        "model": str(smollm2_path),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 48 << 20,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +59,33 @@ def offline(engine_args):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _deploy(engine_args, *, prefill=1, decode=1, mixed=1, disaggregated=True, connector="torch_dist",
-            lease=30.0, pull_timeout=20.0):
+def _deploy(
+    engine_args,
+    *,
+    prefill=1,
+    decode=1,
+    mixed=1,
+    disaggregated=True,
+    connector="torch_dist",
+    lease=30.0,
+    pull_timeout=20.0,
+):
     pool = {"num_cpus": 0.5, "torch_threads": 1}
-    return launch({
-        "engine": engine_args, "disaggregated": disaggregated,
-        "prefill": {**pool, "num_workers": prefill}, "decode": {**pool, "num_workers": decode},
-        "mixed": {**pool, "num_workers": mixed},
-        "kv_transfer": {"connector": connector, "lease_seconds": lease, "pull_timeout_seconds": pull_timeout},
-        "router": {"health_check_seconds": 0.5},
-    })
+    return launch(
+        {
+            "engine": engine_args,
+            "disaggregated": disaggregated,
+            "prefill": {**pool, "num_workers": prefill},
+            "decode": {**pool, "num_workers": decode},
+            "mixed": {**pool, "num_workers": mixed},
+            "kv_transfer": {
+                "connector": connector,
+                "lease_seconds": lease,
+                "pull_timeout_seconds": pull_timeout,
+            },
+            "router": {"health_check_seconds": 0.5},
+        }
+    )
 
 
 def _run_all(cluster, prompts, params=GREEDY):

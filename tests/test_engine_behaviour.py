@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from conftest import assert_no_leaks
+
 from kvray.engine import LLM, AsyncLLM, EngineConfig, SamplingParams
 from kvray.errors import InvalidArgumentError, KvrayError, UnknownModelError, UnsupportedArchitectureError
 
@@ -117,13 +117,15 @@ def test_stop_strings_and_stop_tokens(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=30)
     full = llm.generate(["The capital of France is"], greedy)[0].outputs[0]
     stop_word = full.text.split()[1]  # a word that appears in the greedy answer
-    cut = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=30,
-                                                                   stop=[stop_word]))[0].outputs[0]
+    cut = llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_word])
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop_word
     assert cut.text == full.text[: full.text.index(stop_word)]
     tok = full.token_ids[3]
-    by_token = llm.generate(["The capital of France is"], SamplingParams(
-        temperature=0.0, max_tokens=30, stop_token_ids=[tok]))[0].outputs[0]
+    by_token = llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[tok])
+    )[0].outputs[0]
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
     assert by_token.stop_reason == tok
     assert_no_leaks(llm)
@@ -135,7 +137,9 @@ def test_logprobs_are_reported(llm):
     for token, entry in zip(out.token_ids, out.logprobs):
         assert entry[token].rank == 1  # greedy picks the most likely token
         assert len(entry) == 2 and all(lp.logprob <= 0 for lp in entry.values())
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs))
+    )
 
 
 def test_async_engine_streams_and_aborts(smollm2_path):
@@ -149,7 +153,9 @@ def test_async_engine_streams_and_aborts(smollm2_path):
             return [o async for o in engine.generate("The sky is", greedy, request_id=rid)]
 
         async def abandon():
-            async for out in engine.generate("Tell me a story", SamplingParams(max_tokens=200), request_id="x"):
+            async for out in engine.generate(
+                "Tell me a story", SamplingParams(max_tokens=200), request_id="x"
+            ):
                 if len(out.outputs[0].token_ids) >= 3:
                     break  # leaving the stream aborts the request
 

@@ -20,9 +20,16 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from kvray.engine import LLM, SamplingParams  # noqa: E402
 
 # head_dim 64: a size the kernels are specified for; GQA group 2.
-TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 PROMPTS = [[7, 3, 250, 11], list(range(40, 77)), [(5 * i) % 256 for i in range(21)]]
 PREFIX_HIT_PROMPT = list(range(40, 72)) + [9, 8, 7]  # first 32 tokens = 2 cached blocks of PROMPTS[1]
 MAX_TOKENS = 6
@@ -45,15 +52,24 @@ def tiny_llama_path(tmp_path_factory):
 def _generate(path, backend: str) -> tuple[list[list[int]], list[float], int]:
     """Greedy tokens and their summed logprobs for PROMPTS then PREFIX_HIT_PROMPT (last), and
     how many of PREFIX_HIT_PROMPT's tokens came from the prefix cache."""
-    llm = LLM(model=str(path), dtype="float32", attention_backend=backend, block_size=16,
-              max_num_batched_tokens=16, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        attention_backend=backend,
+        block_size=16,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=4 << 20,
+    )
     assert llm.engine.runner.backend.name == backend
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     outs += llm.generate([{"prompt_token_ids": PREFIX_HIT_PROMPT}], params)
     assert llm.kv_cache_stats().used_blocks == 0
-    return ([o.outputs[0].token_ids for o in outs], [o.outputs[0].cumulative_logprob for o in outs],
-            outs[-1].num_cached_tokens)
+    return (
+        [o.outputs[0].token_ids for o in outs],
+        [o.outputs[0].cumulative_logprob for o in outs],
+        outs[-1].num_cached_tokens,
+    )
 
 
 def test_triton_backend_matches_torch_backend(tiny_llama_path):

@@ -42,11 +42,11 @@ HEADERS = [
 
 
 def run_gpu_check(*args: str) -> subprocess.CompletedProcess:
-    code = RUNNER.format(absent=ABSENT_ON_GPU_MACHINE, folder=str(SCRIPT.parent), script=str(SCRIPT),
-                         args=list(args))
+    code = RUNNER.format(
+        absent=ABSENT_ON_GPU_MACHINE, folder=str(SCRIPT.parent), script=str(SCRIPT), args=list(args)
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_cpu_smoke_writes_every_table(tmp_path):

@@ -32,8 +32,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # Another test module may have imported the kernels before the interpreter was switched
     # on: decorate them again (dependants after what they import) and drop cached names.
     if type(triton_attention._unified_attention_kernel).__name__ != "InterpretedFunction":
-        for name in ("triton_cache", "triton_attend", "triton_decode_split", "triton_attention",
-                     "triton_backend"):
+        for name in (
+            "triton_cache",
+            "triton_attend",
+            "triton_decode_split",
+            "triton_attention",
+            "triton_backend",
+        ):
             if f"kvray.kernels.{name}" in sys.modules:
                 importlib.reload(sys.modules[f"kvray.kernels.{name}"])
         for name in ("reshape_and_cache", "unified_attention"):
@@ -45,8 +50,7 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def make_batch(q_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0,
-               device=DEVICE):
+def make_batch(q_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0, device=DEVICE):
     """Random q and paged K/V; each sequence's blocks are scattered over a permuted pool."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -63,8 +67,14 @@ def make_batch(q_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtyp
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu,
-                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables)
+    tensors = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+    )
     return {name: t.to(device) for name, t in tensors.items()}
 
 
@@ -94,8 +104,16 @@ def attention_f64(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sca
 def run_and_check(batch, scale, window, dtype, **kwargs):
     out = torch.full_like(batch["q"], float("nan"))
     triton_attention.unified_attention(
-        batch["q"], batch["k_cache"], batch["v_cache"], out, batch["cu_seqlens_q"],
-        batch["seq_lens"], batch["block_tables"], scale, window, **kwargs,
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        out,
+        batch["cu_seqlens_q"],
+        batch["seq_lens"],
+        batch["block_tables"],
+        scale,
+        window,
+        **kwargs,
     )
     ref = attention_f64(**batch, scale=scale, window=window)
     assert not torch.isnan(out).any(), "rows left unwritten"
@@ -119,8 +137,15 @@ MIXED_CASES = [  # (num_kv_heads, group, head_dim, block_size, dtype, window)
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype,window", MIXED_CASES)
 def test_mixed_batch(num_kv_heads, group, head_dim, block_size, dtype, window):
-    batch = make_batch(**MIXED, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                       block_size=block_size, dtype=dtype, seed=group)
+    batch = make_batch(
+        **MIXED,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=group,
+    )
     run_and_check(batch, head_dim**-0.5, window, dtype, force_split=False)
 
 
@@ -136,16 +161,30 @@ def test_random_ragged_batches(seed):
         seq_lens.append(q_len + (0 if kind == "fresh" else rng.randint(0 if q_len > 1 else 1, 90)))
     dtype = [torch.float32, torch.float16][seed // 2 % 2]
     window = rng.choice([None, rng.randint(1, 60)])
-    batch = make_batch(q_lens, seq_lens, num_kv_heads=1, group=[1, 3, 4, 8][seed % 4],
-                       head_dim=[64, 128][seed % 2], block_size=rng.choice([16, 32]),
-                       dtype=dtype, seed=seed)
+    batch = make_batch(
+        q_lens,
+        seq_lens,
+        num_kv_heads=1,
+        group=[1, 3, 4, 8][seed % 4],
+        head_dim=[64, 128][seed % 2],
+        block_size=rng.choice([16, 32]),
+        dtype=dtype,
+        seed=seed,
+    )
     run_and_check(batch, 0.09, window, dtype)
 
 
 @pytest.mark.parametrize("group,window", [(1, None), (4, 50)])
 def test_long_prefill_spans_several_q_blocks(group, window):
-    batch = make_batch(q_lens=[130, 1], seq_lens=[160, 40], num_kv_heads=1, group=group,
-                       head_dim=64, block_size=16, dtype=torch.float32)
+    batch = make_batch(
+        q_lens=[130, 1],
+        seq_lens=[160, 40],
+        num_kv_heads=1,
+        group=group,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+    )
     run_and_check(batch, 0.125, window, torch.float32)
 
 
@@ -157,12 +196,17 @@ DECODE_CASES = [  # (num_kv_heads, group, head_dim, block_size, dtype, window, n
 ]
 
 
-@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype,window,num_splits",
-                         DECODE_CASES)
-def test_decode_split_and_plain(num_kv_heads, group, head_dim, block_size, dtype, window,
-                                num_splits):
-    batch = make_batch(q_lens=[1, 1, 0, 1], seq_lens=[150, 70, 5, 9], num_kv_heads=num_kv_heads,
-                       group=group, head_dim=head_dim, block_size=block_size, dtype=dtype)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype,window,num_splits", DECODE_CASES)
+def test_decode_split_and_plain(num_kv_heads, group, head_dim, block_size, dtype, window, num_splits):
+    batch = make_batch(
+        q_lens=[1, 1, 0, 1],
+        seq_lens=[150, 70, 5, 9],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
     split = run_and_check(batch, 0.1, window, dtype, force_split=True, num_splits=num_splits)
     plain = run_and_check(batch, 0.1, window, dtype, force_split=False)
     assert (split.float() - plain.float()).abs().max() < 2 * REL_TOL[dtype] * plain.abs().max()
@@ -172,8 +216,9 @@ def test_decode_auto_rule_takes_split_path(monkeypatch):
     calls = []
     real = triton_decode_split.split_decode
     monkeypatch.setattr(triton_decode_split, "split_decode", lambda *a: calls.append(a) or real(*a))
-    batch = make_batch(q_lens=[1], seq_lens=[600], num_kv_heads=1, group=2, head_dim=64,
-                       block_size=32, dtype=torch.float32)
+    batch = make_batch(
+        q_lens=[1], seq_lens=[600], num_kv_heads=1, group=2, head_dim=64, block_size=32, dtype=torch.float32
+    )
     run_and_check(batch, 0.125, None, torch.float32)
     assert [c[5] for c in calls] == [2]  # splits: min(cdiv(2*132, 1), 600 // 256, 32)
 
@@ -189,22 +234,30 @@ def test_choose_num_splits_rule():
 
 
 def test_force_split_rejects_prefill():
-    batch = make_batch(**MIXED, num_kv_heads=1, group=1, head_dim=64, block_size=16,
-                       dtype=torch.float32)
+    batch = make_batch(**MIXED, num_kv_heads=1, group=1, head_dim=64, block_size=16, dtype=torch.float32)
     with pytest.raises(ValueError, match="force_split"):
         triton_attention.unified_attention(
-            batch["q"], batch["k_cache"], batch["v_cache"], torch.empty_like(batch["q"]),
-            batch["cu_seqlens_q"], batch["seq_lens"], batch["block_tables"], 0.1,
-            force_split=True)
+            batch["q"],
+            batch["k_cache"],
+            batch["v_cache"],
+            torch.empty_like(batch["q"]),
+            batch["cu_seqlens_q"],
+            batch["seq_lens"],
+            batch["block_tables"],
+            0.1,
+            force_split=True,
+        )
 
 
-@pytest.mark.parametrize("num_kv_heads,head_dim,block_size,dtype,cache_dtype", [
-    (2, 64, 16, torch.float32, torch.float32),
-    (3, 80, 32, torch.float16, torch.float16),
-    (1, 128, 16, torch.float32, torch.float16),
-])
-def test_reshape_and_cache_writes_exact_slots(num_kv_heads, head_dim, block_size, dtype,
-                                              cache_dtype):
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,block_size,dtype,cache_dtype",
+    [
+        (2, 64, 16, torch.float32, torch.float32),
+        (3, 80, 32, torch.float16, torch.float16),
+        (1, 128, 16, torch.float32, torch.float16),
+    ],
+)
+def test_reshape_and_cache_writes_exact_slots(num_kv_heads, head_dim, block_size, dtype, cache_dtype):
     gen = torch.Generator().manual_seed(1)
     num_blocks = 4
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -231,8 +284,12 @@ def test_tiny_case_matches_torch_reference():
     assert torch.equal(kc[1, 1], key[0]) and torch.equal(vc[1, 2], val[2])
     assert kc.count_nonzero() == 2 * 2 * 64  # two tokens, two heads; slot -1 skipped
     q = torch.randn(1, 4, 64)
-    args = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([19], dtype=torch.int32),
-            torch.tensor([[3, 1]], dtype=torch.int32), 0.125)
+    args = (
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([19], dtype=torch.int32),
+        torch.tensor([[3, 1]], dtype=torch.int32),
+        0.125,
+    )
     out, expect = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     triton_attention.unified_attention(q, kc, vc, out, *args, sliding_window=None)
     unified_attention_ref(q, kc, vc, expect, *args, sliding_window=None)
@@ -241,16 +298,30 @@ def test_tiny_case_matches_torch_reference():
 
 def test_backend_stores_then_attends():
     backend = get_backend("triton", torch.device(DEVICE))
-    batch = make_batch(q_lens=[1, 6], seq_lens=[20, 6], num_kv_heads=2, group=2, head_dim=64,
-                       block_size=16, dtype=torch.float32)
+    batch = make_batch(
+        q_lens=[1, 6],
+        seq_lens=[20, 6],
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+    )
     tables = batch["block_tables"].cpu()
-    slots = torch.tensor([tables[0, 19 // 16] * 16 + 19 % 16,
-                          *(tables[1, 0] * 16 + torch.arange(6)).tolist()])
+    slots = torch.tensor(
+        [tables[0, 19 // 16] * 16 + 19 % 16, *(tables[1, 0] * 16 + torch.arange(6)).tolist()]
+    )
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(7, 2, 64, generator=gen).to(DEVICE) for _ in range(2))
-    meta = AttentionMetadata(slot_mapping=slots.to(DEVICE), cu_seqlens_q=batch["cu_seqlens_q"],
-                             seq_lens=batch["seq_lens"], block_tables=batch["block_tables"],
-                             query_lens=[1, 6], seq_lens_host=[20, 6], block_size=16)
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(DEVICE),
+        cu_seqlens_q=batch["cu_seqlens_q"],
+        seq_lens=batch["seq_lens"],
+        block_tables=batch["block_tables"],
+        query_lens=[1, 6],
+        seq_lens_host=[20, 6],
+        block_size=16,
+    )
     backend.prepare(meta)
     out = backend.forward(batch["q"], k, v, batch["k_cache"], batch["v_cache"], meta, 0.125, None)
     assert torch.equal(batch["k_cache"][tables[1, 0], :6], k[1:])
@@ -267,8 +338,7 @@ def test_package_imports_without_triton():
         "assert not hasattr(k, 'unified_attention') and not hasattr(k, 'reshape_and_cache')\n"
         "assert available_backends() == ['torch'], available_backends()\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -309,8 +379,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this triton has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -322,27 +393,51 @@ GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,window", [
-    (8, 1, 64, 16, None), (4, 3, 96, 32, None), (2, 4, 128, 16, 256),
-    (1, 8, 128, 32, None), (4, 4, 80, 16, 64),
-])
+@pytest.mark.parametrize(
+    "num_kv_heads,group,head_dim,block_size,window",
+    [
+        (8, 1, 64, 16, None),
+        (4, 3, 96, 32, None),
+        (2, 4, 128, 16, 256),
+        (1, 8, 128, 32, None),
+        (4, 4, 80, 16, 64),
+    ],
+)
 def test_gpu_mixed_batch(dtype, num_kv_heads, group, head_dim, block_size, window):
-    batch = make_batch(q_lens=[1, 300, 1, 77, 1, 513], seq_lens=[1500, 900, 33, 77, 4000, 513],
-                       num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                       block_size=block_size, dtype=dtype)
+    batch = make_batch(
+        q_lens=[1, 300, 1, 77, 1, 513],
+        seq_lens=[1500, 900, 33, 77, 4000, 513],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
     run_and_check(batch, head_dim**-0.5, window, dtype)
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("group,head_dim,block_size,window", [
-    (4, 128, 16, None), (8, 64, 32, 1000), (1, 128, 32, None),
-])
+@pytest.mark.parametrize(
+    "group,head_dim,block_size,window",
+    [
+        (4, 128, 16, None),
+        (8, 64, 32, 1000),
+        (1, 128, 32, None),
+    ],
+)
 @pytest.mark.parametrize("force_split", [None, True, False])
 def test_gpu_decode(dtype, group, head_dim, block_size, window, force_split):
-    batch = make_batch(q_lens=[1, 1, 1], seq_lens=[5000, 2047, 17], num_kv_heads=2, group=group,
-                       head_dim=head_dim, block_size=block_size, dtype=dtype)
+    batch = make_batch(
+        q_lens=[1, 1, 1],
+        seq_lens=[5000, 2047, 17],
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
     run_and_check(batch, head_dim**-0.5, window, dtype, force_split=force_split)
 
 

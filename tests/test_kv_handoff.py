@@ -25,8 +25,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engines(smollm2_path):
-    cfg = EngineConfig(model=str(smollm2_path), dtype="float32", max_model_len=512,
-                       kv_cache_memory_bytes=64 << 20)
+    cfg = EngineConfig(
+        model=str(smollm2_path), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
+    )
     return LLMEngine(cfg), LLMEngine(cfg)
 
 
@@ -90,5 +91,6 @@ def test_seeded_sampling_continues_across_the_handoff(engines, smollm2_path):
     offline = LLM(model=str(smollm2_path), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20)
     want = offline.generate(PROMPTS, params)
     got = _handoff(prefill, decode, params, lease=30.0, late=False)
-    assert [got[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == \
-        [w.outputs[0].token_ids for w in want]
+    assert [got[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        w.outputs[0].token_ids for w in want
+    ]

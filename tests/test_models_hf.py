@@ -16,13 +16,29 @@ from kvray.engine import LLM, SamplingParams
 from kvray.kernels.backend import AttentionMetadata, get_backend
 from kvray.models.loader import build_model, load_config
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 CONFIGS = {
-    "llama3-rope": lambda: LlamaConfig(**SMALL, tie_word_embeddings=False, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama3-rope": lambda: LlamaConfig(
+        **SMALL,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "llama-tied-mha": lambda: LlamaConfig(**{**SMALL, "num_key_value_heads": 4}, tie_word_embeddings=True),
     "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=8, tie_word_embeddings=False),
     "qwen2-bias": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
@@ -54,8 +70,10 @@ def _kvray_logits(model, config, ids: list[int], prefill_chunks: list[int], bloc
     head_dim = config.hidden_size // config.num_attention_heads
     num_blocks = 64
     caches = [
-        (torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim),
-         torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim))
+        (
+            torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim),
+            torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim),
+        )
         for _ in range(config.num_hidden_layers)
     ]
     table = list(range(num_blocks - 1, 0, -3))  # non-contiguous, descending blocks
@@ -69,7 +87,9 @@ def _kvray_logits(model, config, ids: list[int], prefill_chunks: list[int], bloc
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
             seq_lens=torch.tensor([done + n], dtype=torch.int32),
             block_tables=torch.tensor([table], dtype=torch.int32),
-            query_lens=[n], seq_lens_host=[done + n], block_size=block_size,
+            query_lens=[n],
+            seq_lens_host=[done + n],
+            block_size=block_size,
         )
         backend.prepare(meta)
         with torch.no_grad():
@@ -95,11 +115,14 @@ def test_engine_greedy_matches_transformers(saved_model):
     name, path, hf = saved_model
     llm = LLM(model=str(path), dtype="float32", block_size=8, max_num_batched_tokens=16)
     prompts = [[5, 17, 99, 3], list(range(30, 60)), [200] * 9]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    )
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(p):].tolist(), name
+            ref = hf.generate(
+                torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+            )
+        assert out.outputs[0].token_ids == ref[0, len(p) :].tolist(), name
     assert llm.kv_cache_stats().used_blocks == 0

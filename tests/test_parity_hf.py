@@ -23,7 +23,8 @@ SHARED = (
 )
 LONG = " ".join(
     f"Paragraph {i}: rivers carry sediment to the sea, building deltas that shift over "
-    f"centuries as floods cut new channels through soft ground." for i in range(24)
+    f"centuries as floods cut new channels through soft ground."
+    for i in range(24)
 )
 
 
@@ -69,8 +70,10 @@ def test_greedy_matches_transformers(smollm2_path, reference):
     assert outs[3].num_cached_tokens >= (shared_blocks - 1) * 16 > 0
     assert_no_leaks(llm)
     # the chat path through the tokenizer's template gives the same tokens
-    chat = llm.chat([{"role": "user", "content": "What is a prime number?"}],
-                    SamplingParams(temperature=0.0, max_tokens=28))
+    chat = llm.chat(
+        [{"role": "user", "content": "What is a prime number?"}],
+        SamplingParams(temperature=0.0, max_tokens=28),
+    )
     assert chat[0].outputs[0].token_ids == expected[7]
     assert_no_leaks(llm)
 
@@ -80,8 +83,13 @@ def test_greedy_matches_transformers_under_kv_pressure(smollm2_path, reference):
     686 tokens long: requests wait, running ones are preempted and recomputed, and every
     token is still the same."""
     prompts, expected = reference
-    llm = LLM(model=str(smollm2_path), dtype="float32", max_num_batched_tokens=128,
-              max_model_len=704, kv_cache_memory_bytes=50 * 737_280)
+    llm = LLM(
+        model=str(smollm2_path),
+        dtype="float32",
+        max_num_batched_tokens=128,
+        max_model_len=704,
+        kv_cache_memory_bytes=50 * 737_280,
+    )
     assert llm.kv_cache_stats().total_blocks == 50
     outs = _run(llm, prompts)
     for out, want in zip(outs, expected):

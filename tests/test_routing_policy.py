@@ -27,8 +27,11 @@ def test_same_prefix_goes_to_the_same_worker_and_prefixes_spread():
 
 def test_imbalance_overrides_affinity():
     loads = [WorkerLoad("p0", in_flight=0), WorkerLoad("p1", in_flight=0)]
-    key = next(k for k in (prefix_key([i] * 16, 16, 1) for i in range(100))
-               if choose_prefill(loads, k, 4).worker_id == "p1")
+    key = next(
+        k
+        for k in (prefix_key([i] * 16, 16, 1) for i in range(100))
+        if choose_prefill(loads, k, 4).worker_id == "p1"
+    )
     loads[1].in_flight = 4  # gap of 4: not beyond the threshold
     assert choose_prefill(loads, key, 4).worker_id == "p1"
     loads[1].in_flight = 5  # gap of 5 > 4: least loaded wins
@@ -41,8 +44,11 @@ def test_no_full_block_goes_to_the_least_loaded():
 
 
 def test_decode_choice_is_least_kv_usage_then_fewest_requests():
-    loads = [WorkerLoad("d0", kv_usage=0.50, num_running=1), WorkerLoad("d1", kv_usage=0.10, num_running=9),
-             WorkerLoad("d2", kv_usage=0.10, num_running=3, in_flight=1)]
+    loads = [
+        WorkerLoad("d0", kv_usage=0.50, num_running=1),
+        WorkerLoad("d1", kv_usage=0.10, num_running=9),
+        WorkerLoad("d2", kv_usage=0.10, num_running=3, in_flight=1),
+    ]
     assert choose_decode(loads).worker_id == "d2"  # 0.10 ties; 3 + 1 < 9
     loads[2].in_flight = 7
     assert choose_decode(loads).worker_id == "d1"  # 9 < 3 + 7

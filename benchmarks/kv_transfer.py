@@ -1,0 +1,220 @@
+"""KV transfer: pull throughput per connector against a raw torch.distributed send, and
+TTFT / inter-token latency of the disaggregated path against colocated, in one run.
+
+Part 1 runs two Ray actors holding paged caches of a given layout (random contents):
+one pins n blocks as a prefill worker does, the other pulls them through the real
+connector (pack, header, send, unpack into its own blocks), then the same bytes go as one
+raw `send` over the same pair group between the same two actors.
+
+Part 2 serves SmolLM2 (fp32) on this machine both ways with the same CPU budget: one
+prefill + one decode worker (1 torch thread each) against one mixed worker (2 threads).
+
+    python benchmarks/kv_transfer.py [--skip-latency] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import ray
+import torch
+
+from kvray.actors.connectors import CONNECTORS, KVSource
+from kvray.cluster.local import ensure_ray, launch
+from kvray.configs import KVTransferConfig
+from kvray.engine import SamplingParams
+from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
+
+LAYOUTS = {
+    "SmolLM2-135M (fp32)": KVLayout(30, 16, 3, 64, "float32"),
+    "Llama-3-8B (bf16)": KVLayout(32, 16, 8, 128, "bfloat16"),
+}
+BLOCK_COUNTS = (1, 16, 256)
+
+
+@ray.remote(num_cpus=0.5)
+class KVPeer:
+    """A paged cache and the connector endpoints of a worker, without a model."""
+
+    def __init__(self, peer_id: str, layout: KVLayout, num_blocks: int):
+        torch.set_num_threads(1)
+        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.caches = [
+            (torch.randn(shape).to(layout.torch_dtype), torch.randn(shape).to(layout.torch_dtype))
+            for _ in range(layout.num_layers)
+        ]
+        self.pins = PinTable()
+        self.source = KVSource(self.pins, self.caches, torch.device("cpu"), layout)
+        config = KVTransferConfig(pull_timeout_seconds=120)
+        host = ray.util.get_node_ip_address()
+        self.connectors = {name: cls(peer_id, config, host, "gloo") for name, cls in CONNECTORS.items()}
+        self.layout = layout
+
+    def pin(self, request_id: str, blocks: list[int]) -> KVTicket:
+        n = len(blocks) * self.layout.block_size
+        self.pins.add(request_id, blocks, time.time() + 3600, n, ())
+        return KVTicket("src", request_id, tuple(blocks), n, (), self.layout, time.time() + 3600)
+
+    async def export_kv(self, request_id):
+        return await self.source.export_kv(request_id)
+
+    async def join_pair(self, peer_id, host, port, key, backend):
+        await self.source.join_pair(peer_id, host, port, key, backend, 120)
+
+    async def pull(
+        self, connector: str, ticket: KVTicket, src, dst_blocks: list[int], reps: int
+    ) -> list[float]:
+        puller = self.connectors[connector]
+        await puller.pull(ticket, src, self.caches, dst_blocks)  # warm-up (and the pair group)
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            await puller.pull(ticket, src, self.caches, dst_blocks)
+            times.append(time.perf_counter() - t)
+        packed = await src.export_kv.remote(ticket.request_id)
+        assert torch.equal(self.caches[0][0][dst_blocks[0]], packed[0, 0, 0])
+        return times
+
+    # raw send of the same bytes over the same pair group
+    async def raw_recv(self, peer_id: str, nbytes: int, tag: int) -> float:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        pg = self.connectors["torch_dist"].groups[peer_id].data
+        t = time.perf_counter()
+        await asyncio.to_thread(lambda: pg.recv([buf], 1, tag).wait())
+        return time.perf_counter() - t
+
+    async def raw_send(self, peer_id: str, nbytes: int, tag: int) -> None:
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        pg = self.source.pair_groups[peer_id].data
+        await asyncio.to_thread(lambda: pg.send([buf], 0, tag).wait())
+
+
+def transfer_table(reps: int) -> list[str]:
+    rows = [
+        "| layout | blocks | MB | connector | pull GB/s | raw send GB/s | pull / raw |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, layout in LAYOUTS.items():
+        src = KVPeer.remote("src", layout, 2 * max(BLOCK_COUNTS) + 8)
+        dst = KVPeer.remote("dst", layout, max(BLOCK_COUNTS) + 8)
+        for n in BLOCK_COUNTS:
+            ticket = ray.get(src.pin.remote(f"r{n}", list(range(1, 2 * n, 2))))  # non-contiguous blocks
+            nbytes = layout.packed_bytes(n)
+            pulls = {
+                c: statistics.median(ray.get(dst.pull.remote(c, ticket, src, list(range(n)), reps)))
+                for c in ("torch_dist", "object_store")
+            }
+            raw = _raw_send_seconds(src, dst, nbytes, reps)
+            for connector, seconds in pulls.items():
+                rows.append(
+                    f"| {name} | {n} | {nbytes / 1e6:.1f} | {connector} | {nbytes / seconds / 1e9:.2f} | "
+                    f"{nbytes / raw / 1e9:.2f} | {100 * raw / seconds:.0f} % |"
+                )
+        ray.kill(src)
+        ray.kill(dst)
+    return rows
+
+
+def _raw_send_seconds(src, dst, nbytes: int, reps: int) -> float:
+    """Median of a raw send of nbytes over the pair group the torch_dist pulls built."""
+    times = []
+    for i in range(reps + 1):
+        tag = 1_000_000 + i
+        recv = dst.raw_recv.remote("src", nbytes, tag)
+        ray.get(src.raw_send.remote("dst", nbytes, tag))
+        t = ray.get(recv)
+        if i:
+            times.append(t)
+    return statistics.median(times)
+
+
+def latency_table(num_requests: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from kvray.models.loader import resolve_model_path
+
+    path = str(resolve_model_path("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(path)
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[k] for k in sorted(topics)).split()
+    prompts = [
+        {"prompt_token_ids": tok(" ".join(words[i * 300 : i * 300 + 60 + 40 * i])).input_ids}
+        for i in range(num_requests)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    engine = {"model": path, "dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20}
+    rows = [
+        "| mode | TTFT p50 (s) | TTFT p90 (s) | ITL p50 (ms) | ITL p90 (ms) | wall (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, deployment in (
+        (
+            "disaggregated 1P+1D, torch_dist",
+            {
+                "disaggregated": True,
+                "prefill": {"num_cpus": 1, "torch_threads": 1},
+                "decode": {"num_cpus": 1, "torch_threads": 1},
+            },
+        ),
+        ("colocated, 1 mixed worker", {"disaggregated": False, "mixed": {"num_cpus": 2, "torch_threads": 2}}),
+    ):
+        cluster = launch({"engine": engine, **deployment})
+        try:
+            _ = cluster.complete(prompts[0], params)  # warm-up (and the pair group)
+            ttft, itl, wall = _measure(cluster, prompts, params)
+        finally:
+            cluster.shutdown()
+        rows.append(
+            f"| {mode} | {_pct(ttft, 50):.2f} | {_pct(ttft, 90):.2f} | {1e3 * _pct(itl, 50):.0f} | "
+            f"{1e3 * _pct(itl, 90):.0f} | {wall:.1f} |"
+        )
+    return rows
+
+
+def _measure(cluster, prompts, params):
+    start = time.perf_counter()
+    streams = [(cluster.router.generate.remote(p, params), time.perf_counter()) for p in prompts]
+    ttft, itl = [], []
+    for stream, sent in streams:
+        first = last = None
+        tokens = 0
+        for ref in stream:
+            out = ray.get(ref)
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                ttft.append(now - sent)
+            last, tokens = now, len(out.outputs[0].token_ids)
+        if tokens > 1:
+            itl.append((last - first) / (tokens - 1))
+    return ttft, itl, time.perf_counter() - start
+
+
+def _pct(values: list[float], p: int) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--num-requests", type=int, default=8)
+    parser.add_argument("--skip-latency", action="store_true")
+    args = parser.parse_args()
+    started = ensure_ray(num_cpus=2)
+    try:
+        print("\n".join(transfer_table(args.reps)))
+        if not args.skip_latency:
+            print()
+            print("\n".join(latency_table(args.num_requests)))
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
