@@ -176,13 +176,16 @@ def latency_table(num_requests: int) -> list[str]:
 
 
 def _measure(cluster, prompts, params):
-    start = time.perf_counter()
-    streams = [(cluster.router.generate.remote(p, params), time.perf_counter()) for p in prompts]
+    """Every stream read on its own thread, so each output is timed when it arrives."""
+    import threading
+
     ttft, itl = [], []
-    for stream, sent in streams:
+
+    def consume(prompt) -> None:
+        sent = time.perf_counter()
         first = last = None
         tokens = 0
-        for ref in stream:
+        for ref in cluster.router.generate.remote(prompt, params):
             out = ray.get(ref)
             now = time.perf_counter()
             if first is None:
@@ -191,6 +194,13 @@ def _measure(cluster, prompts, params):
             last, tokens = now, len(out.outputs[0].token_ids)
         if tokens > 1:
             itl.append((last - first) / (tokens - 1))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=consume, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return ttft, itl, time.perf_counter() - start
 
 
@@ -204,10 +214,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-transfer", action="store_true")
     args = parser.parse_args()
     started = ensure_ray(num_cpus=2)
     try:
-        print("\n".join(transfer_table(args.reps)))
+        if not args.skip_transfer:
+            print("\n".join(transfer_table(args.reps)))
         if not args.skip_latency:
             print()
             print("\n".join(latency_table(args.num_requests)))

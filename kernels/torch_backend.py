@@ -14,7 +14,7 @@ per step in `prepare` and reused by every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,12 @@ class _DecodeGroup:
     blocks: torch.Tensor  # int64 [Sg * nb]: their block tables, flattened (padded with 0)
     bias: torch.Tensor  # fp32 [Sg, 1, nb * block_size]: 0 where a key exists, -inf past the end
     lens: torch.Tensor  # int64 [Sg, 1, 1]: context lengths (for sliding windows)
+    cast: dict = field(default_factory=dict)  # bias in the activations' dtype, made once a step
+
+    def bias_as(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self.cast:
+            self.cast[dtype] = self.bias.to(dtype)
+        return self.cast[dtype]
 
 
 @dataclass
@@ -147,15 +153,16 @@ def _decode_attention(q, k_cache, v_cache, g: _DecodeGroup, scale: float, slidin
     group = num_q_heads // num_kv_heads
     keys = k_cache.index_select(0, g.blocks).view(num_seqs, -1, num_kv_heads * head_dim)
     values = v_cache.index_select(0, g.blocks).view(num_seqs, -1, num_kv_heads * head_dim)
-    bias = g.bias
+    bias = g.bias_as(q.dtype)
     if sliding_window is not None:
         pos = torch.arange(bias.shape[-1], device=bias.device)
         bias = bias.masked_fill(pos <= g.lens - 1 - sliding_window, float("-inf"))
     eye = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device)
     q4 = q.view(num_seqs, num_kv_heads, group, 1, head_dim)
     q_bd = (q4 * eye.view(1, num_kv_heads, 1, num_kv_heads, 1)).view(num_seqs, num_q_heads, -1)
-    scores = torch.matmul(q_bd, keys.transpose(1, 2)).float() * scale + bias  # [Sg, Hq, L]
-    probs = scores.softmax(dim=-1).to(values.dtype)
+    # scale and mask fused into the matmul; the softmax upcasts to fp32 as it reads
+    scores = torch.baddbmm(bias, q_bd, keys.transpose(1, 2), alpha=scale)  # [Sg, Hq, L]
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
     o = torch.matmul(probs, values).view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
     o = torch.diagonal(o, dim1=1, dim2=3)  # [Sg, G, D, Hkv]
     return o.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, head_dim)

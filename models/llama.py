@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata
-from kvray.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, head_dim_of
+from kvray.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -44,12 +44,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.split = [q_size, kv_size, kv_size]
 
-    def forward(self, x, positions, rotary, kv_cache, backend: AttentionBackend, meta):
+    def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
@@ -75,8 +75,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend, meta)
+    def forward(self, x, rope, kv_cache, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -113,8 +113,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, backend, meta)
+            x = layer(x, rope, kv_cache, backend, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
