@@ -1,4 +1,4 @@
-# kvray's front door: `make test` and `make generate` (and `make bench`).
+# kvray's front door: `make test`, `make generate` and `make serve` (and `make bench`).
 # torch is installed first and pinned (a bare `torch` requirement can pull a multi-GB CUDA
 # build); CUDA users override TORCH_SPEC, e.g. `make install TORCH_SPEC="torch==2.13.0 --index-url ..."`.
 PYTHON ?= python3
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvray-installed
 
-.PHONY: install test test-fast generate bench lint clean
+.PHONY: install test test-fast generate serve bench lint clean
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ test-fast: install
 
 generate: install
 	$(VENV)/bin/kvray generate
+
+serve: install
+	$(VENV)/bin/kvray serve --config configs/smollm2-cpu-pd.yaml $(if $(PORT),--port $(PORT))
 
 bench: install
 	$(VENV)/bin/kvray bench offline

@@ -14,6 +14,7 @@ complete raises `KVPullError`; the decode worker then recomputes the prompt itse
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
 import threading
 from abc import ABC, abstractmethod
@@ -56,12 +57,14 @@ class KVSource:
 
     async def export_kv(self, request_id: str) -> torch.Tensor | None:
         """object_store connector: the packed blocks, returned as a Ray object."""
-        blocks = self.begin(request_id)
-        if blocks is None:
-            return None
-        packed = await asyncio.to_thread(self.pack, request_id, blocks)
-        self.bytes_sent += packed.numel() * packed.element_size()
-        return packed.cpu()
+        packed = await asyncio.to_thread(self._export, request_id)
+        if packed is not None:
+            self.bytes_sent += packed.numel() * packed.element_size()
+        return packed
+
+    def _export(self, request_id: str) -> torch.Tensor | None:
+        blocks = self.begin(request_id)  # begin and end on one thread: a cancelled caller
+        return None if blocks is None else self.pack(request_id, blocks).cpu()  # can't leak it
 
     async def join_pair(
         self, peer_id: str, host: str, port: int, key: str, backend: str, timeout_s: float
@@ -79,10 +82,13 @@ class KVSource:
         while True:
             try:
                 groups.control.recv([message], 0, REQUEST_TAG).wait()
-                tag, request_id = decode_request(message)
-                self.bytes_sent += send_packed(groups.data, self, request_id, tag)
-            except RuntimeError:  # the peer closed the pair (it stopped or died)
+            except RuntimeError:  # the peer closed the pair (it stopped, died or rebuilt it)
                 return
+            tag, request_id = decode_request(message)
+            try:
+                self.bytes_sent += send_packed(groups.data, self, request_id, tag)
+            except RuntimeError:  # this pull failed (the peer recomputes); serve the next
+                continue
 
 
 class KVConnector(ABC):
@@ -116,8 +122,12 @@ class TorchDistConnector(KVConnector):
         super().__init__(*args)
         self.groups: dict[str, PairGroups] = {}
         self.stores: dict[str, object] = {}  # kept alive: the pair's rendezvous
-        self.tags = itertools.count(1, TAGS_PER_PULL)  # a pull uses tag .. tag + chunks
+        # a pull uses tags tag .. tag + chunks; gloo tags must stay below 2**31
+        self.tags = itertools.cycle(range(1, 2**31 - TAGS_PER_PULL, TAGS_PER_PULL))
         self.lock = asyncio.Lock()
+        # One transfer at a time per pair: the prefill side serves a pair's pulls in order
+        # anyway, and NCCL matches messages by order, not by tag.
+        self.pair_locks: dict[str, asyncio.Lock] = {}
 
     async def group(self, peer_id: str, peer) -> PairGroups:
         """The pair with `peer`, built on first use (this side hosts the store)."""
@@ -139,17 +149,23 @@ class TorchDistConnector(KVConnector):
         with a one-element header (1: the blocks follow, 0: the pin is gone), so a late
         pull never waits for data; the blocks then come as layer-range chunks, all
         receives posted at once, each chunk unpacked while the next ones arrive."""
+        peer_id = ticket.worker_id
         try:
-            groups = await self.group(ticket.worker_id, prefill)
+            groups = await self.group(peer_id, prefill)
             tag = next(self.tags)
             request = encode_request(tag, ticket.request_id)
+            timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
 
             def transfer() -> int:
-                groups.control.send([request], 1, REQUEST_TAG).wait()
+                groups.control.send([request], 1, REQUEST_TAG).wait(timeout)
                 return receive_packed(groups.data, ticket, kv_caches, dst_blocks, tag)
 
-            moved = await asyncio.to_thread(transfer)
+            async with self.pair_locks.setdefault(peer_id, asyncio.Lock()):
+                moved = await asyncio.to_thread(transfer)
         except Exception as e:  # peer died mid-transfer, gloo timeout, ...
+            # a gloo timeout closes the pair: forget it, the next pull builds a new one
+            self.groups.pop(peer_id, None)
+            self.stores.pop(peer_id, None)
             raise KVPullError(f"torch_dist pull of {ticket.request_id} failed: {e!r}") from e
         if moved == 0:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
@@ -197,12 +213,12 @@ def send_packed(pg, source: KVSource, request_id: str, tag: int) -> int:
     """The prefill side of a torch_dist pull (blocking): header, then packed chunks, each
     packed while the previous one is on the wire."""
     blocks = source.begin(request_id)
-    header = torch.tensor([0 if blocks is None else 1], dtype=torch.int64, device=source.device)
-    pg.send([header], 0, tag).wait()
     if blocks is None:
+        pg.send([torch.zeros(1, dtype=torch.int64, device=source.device)], 0, tag).wait()
         return 0
     sent, works = 0, []
     try:
+        pg.send([torch.ones(1, dtype=torch.int64, device=source.device)], 0, tag).wait()
         for i, layers in enumerate(layer_chunks(source.layout, len(blocks))):
             packed = pack_blocks(source.kv_caches, blocks, layers)
             works.append(pg.send([packed], 0, tag + 1 + i))

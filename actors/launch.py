@@ -7,7 +7,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvray.actors.worker import EngineWorker, Role
-from kvray.configs import KVTransferConfig, PoolConfig
+from kvray.configs import DeploymentConfig, KVTransferConfig, PoolConfig
 
 
 def start_worker(
@@ -38,3 +38,29 @@ def stop_worker(actor, pg) -> None:
         ray.kill(actor)
     finally:
         remove_placement_group(pg)
+
+
+def start_pools(config: DeploymentConfig) -> dict[str, tuple[str, object, object]]:
+    """Start every configured worker and wait until all are ready: id -> (role, actor, group)."""
+    roles = ["prefill", "decode"] if config.disaggregated else ["mixed"]
+    workers = {}
+    try:
+        for role in roles:
+            pool = getattr(config, role)
+            for i in range(pool.num_workers):
+                wid = f"{role}-{i}"
+                actor, pg = start_worker(wid, role, config.engine, pool, config.kv_transfer)
+                workers[wid] = (role, actor, pg)
+        ray.get([actor.ready.remote() for _, actor, _ in workers.values()])
+    except BaseException:
+        stop_pools(workers)
+        raise
+    return workers
+
+
+def stop_pools(workers: dict[str, tuple[str, object, object]]) -> None:
+    for _, actor, pg in workers.values():
+        try:
+            stop_worker(actor, pg)
+        except Exception:  # already gone
+            pass

@@ -14,6 +14,7 @@ actor's event loop stays free for pulls, aborts and health checks.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +58,7 @@ class WorkerStats:
     kv_recomputes: int
     prefix_queries: int
     prefix_hits: int
+    num_preemptions: int = 0
 
 
 class EngineWorker:
@@ -81,6 +83,7 @@ class EngineWorker:
         self.connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
         self.pulled_bytes = 0
         self.pull_seconds = 0.0
+        self.pulling: dict[str, bool] = {}  # request id -> abort once its pull is done
 
     async def ready(self) -> str:
         return self.worker_id
@@ -92,12 +95,19 @@ class EngineWorker:
             request_id, prompt, prefill_params(params), kv_lease=self.kv_config.lease_seconds
         )
         final = None
-        async for out in stream:
-            final = out
-        if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
-            raise RuntimeError(f"prefill of {request_id} was aborted")
-        first = final.outputs[0]
-        ticket = await self.llm.call(self.llm.engine.kv_ticket, self.worker_id, request_id)
+        handed_off = False
+        try:
+            async for out in stream:
+                final = out
+            if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
+                raise RuntimeError(f"prefill of {request_id} was aborted")
+            first = final.outputs[0]
+            ticket = await self.llm.call(self.llm.engine.kv_ticket, self.worker_id, request_id)
+            handed_off = True
+        finally:
+            if not handed_off:  # cancelled (the client left): stop it and let any pin go
+                self.llm.abort(request_id)
+                asyncio.ensure_future(self.llm.call(self.llm.engine.release_kv, request_id))
         first_logprobs = None
         if first.logprobs:
             entry = first.logprobs[0]
@@ -134,7 +144,15 @@ class EngineWorker:
             request_id, prompt, params, handoff.first_token, handoff.first_logprobs
         )
         if blocks is not None:
-            await self._pull(handoff.ticket, prefill, request_id, blocks)
+            # shielded: a pull cut off midway would break the pair group and leave the
+            # blocks half written; a cancelled caller aborts the request once it is done
+            pull = asyncio.ensure_future(self._pull(handoff.ticket, prefill, request_id, blocks))
+            self.pulling[request_id] = False
+            try:
+                await asyncio.shield(pull)
+            except asyncio.CancelledError:
+                self.pulling[request_id] = True
+                raise
         elif handoff.ticket is not None and prefill is not None:
             prefill.release_kv.remote(request_id)  # nothing to pull: let the pin go now
         async for out in self._stream(stream):
@@ -156,6 +174,8 @@ class EngineWorker:
             await self.llm.call(self.llm.engine.finish_kv_pull, request_id, ok)
             if ticket is not None and prefill is not None:
                 prefill.release_kv.remote(request_id)
+            if self.pulling.pop(request_id, False):  # aborted while its blocks were being written
+                self.llm.abort(request_id)
 
     # ---- mixed role and common ----------------------------------------------------------
 
@@ -173,7 +193,15 @@ class EngineWorker:
                 self.llm.abort(stream.request_id)
 
     async def abort(self, request_id: str) -> None:
+        if request_id in self.pulling:  # its blocks are being written: abort after the pull
+            self.pulling[request_id] = True
+            return
         self.llm.abort(request_id)
+
+    async def model_info(self) -> dict:
+        """What a front needs to validate prompts before sending them here."""
+        e = self.llm.engine
+        return {"max_model_len": e.max_model_len, "vocab_size": e.hf_config.vocab_size}
 
     async def stats(self) -> WorkerStats:
         def read() -> WorkerStats:
@@ -192,6 +220,7 @@ class EngineWorker:
                 e.num_kv_recomputes,
                 e.kv.prefix_queries,
                 e.kv.prefix_hits,
+                e.scheduler.num_preemptions,
             )
 
         return await self.llm.call(read)

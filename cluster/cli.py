@@ -1,4 +1,4 @@
-"""The `kvray` command line: generate, bench (serve arrives with the Serve app)."""
+"""The `kvray` command line: generate, serve, bench."""
 
 from __future__ import annotations
 
@@ -18,6 +18,38 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     print(out.outputs[0].text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Deploy the Serve app (starting a local Ray when RAY_ADDRESS is unset) until a signal."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from kvray.cluster.local import ensure_ray
+    from kvray.router.app import build_app, load_config
+
+    config = load_config(args.config)
+    started = ensure_ray()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        print(f"kvray: serving {config.model_name} at http://{args.host}:{args.port}/v1", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("kvray: shutting down", flush=True)
+    finally:
+        if started:
+            serve.shutdown()
+            ray.shutdown()
+        else:  # a cluster we joined keeps running; only our app goes
+            serve.delete(config.app_name)
     return 0
 
 
@@ -53,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP app (Ray Serve)")
+    srv.add_argument("--config", required=True, help="a YAML file or a preset name (smollm2-cpu-pd)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (e.g. `kvray bench offline`)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from kvray.actors.launch import start_worker, stop_worker
-from kvray.actors.router import RouterActor
+from kvray.actors.launch import start_pools, stop_pools
 from kvray.configs import DeploymentConfig
 from kvray.engine import RequestOutput, SamplingParams
+from kvray.router.router import RouterActor
 
 
 def ensure_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
@@ -62,8 +62,7 @@ class KvrayCluster:
 
     def shutdown(self) -> None:
         ray.kill(self.router)
-        for _, actor, pg in self.workers.values():
-            stop_worker(actor, pg)
+        stop_pools(self.workers)
         if self.started_ray:
             ray.shutdown()
 
@@ -72,15 +71,7 @@ def launch(config: DeploymentConfig | dict, num_cpus: int | None = None) -> Kvra
     """Start Ray if needed, the configured worker pools, and the router."""
     config = config if isinstance(config, DeploymentConfig) else DeploymentConfig(**config)
     started = ensure_ray(num_cpus)
-    roles = ["prefill", "decode"] if config.disaggregated else ["mixed"]
-    workers = {}
-    for role in roles:
-        pool = getattr(config, role)
-        for i in range(pool.num_workers):
-            wid = f"{role}-{i}"
-            actor, pg = start_worker(wid, role, config.engine, pool, config.kv_transfer)
-            workers[wid] = (role, actor, pg)
-    ray.get([actor.ready.remote() for _, actor, _ in workers.values()])
+    workers = start_pools(config)
     router = RouterActor.options(num_cpus=0, max_concurrency=1000).remote(
         config.model_dump(), [(wid, role, actor) for wid, (role, actor, _) in workers.items()]
     )

@@ -20,6 +20,7 @@ class PoolConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0)  # per worker, reserved in its placement group
     num_gpus: float = Field(0.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
+    price_per_hour: float = Field(0.0, ge=0)  # USD per worker-hour, for kvray:request_cost_usd
 
 
 class KVTransferConfig(_Strict):

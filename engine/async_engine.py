@@ -14,7 +14,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from kvray.engine.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptInput
@@ -111,15 +111,9 @@ class AsyncLLM:
         """Continue a request prefilled elsewhere (see LLMEngine.add_prefilled_request);
         returns its stream and the blocks to pull the prompt's KV into, if any."""
         stream = OutputStream(request_id, asyncio.get_running_loop())
-
-        def add():
-            blocks = self.engine.add_prefilled_request(
-                request_id, prompt, sampling_params, first_token, first_logprobs
-            )
-            self._streams[request_id] = stream
-            return blocks
-
-        return stream, await self.call(add)
+        accepted: Future = Future()
+        self._send(("add_prefilled", stream, prompt, sampling_params, first_token, first_logprobs, accepted))
+        return stream, await asyncio.wrap_future(accepted)
 
     async def call(self, fn, *args):
         """Run `fn(*args)` on the loop thread, between steps, and return its result."""
@@ -151,6 +145,10 @@ class AsyncLLM:
                 self._fail_all(e)
                 continue
             self._publish(outputs)
+            if engine.last_step is None or engine.last_step.num_batched_tokens == 0:
+                # nothing could run (e.g. only KV pulls in flight): wait for a command
+                self._wake.wait(timeout=0.005)
+                self._wake.clear()
 
     def _drain_commands(self) -> None:
         while True:
@@ -161,9 +159,13 @@ class AsyncLLM:
             if command[0] == "call":
                 _, fn, args, done = command
                 try:
-                    done.set_result(fn(*args))
+                    result = fn(*args)
                 except Exception as e:
-                    done.set_exception(e)
+                    _settle(done, error=e)
+                else:
+                    _settle(done, result)  # a caller that went away still had its call run
+            elif command[0] == "add_prefilled":
+                self._add_prefilled(*command[1:])
             elif command[0] == "add":
                 _, stream, prompt, params, priority, deadline, kv_lease, accepted = command
                 try:
@@ -176,12 +178,26 @@ class AsyncLLM:
                         kv_lease=kv_lease,
                     )
                 except Exception as e:
-                    accepted.set_exception(e)
+                    _settle(accepted, error=e)
                     continue
                 self._streams[stream.request_id] = stream
-                accepted.set_result(None)
+                if not _settle(accepted, None):  # the caller was cancelled meanwhile
+                    self._publish(self.engine.abort_request([stream.request_id]))
             else:
                 self._publish(self.engine.abort_request([command[1]]))
+
+    def _add_prefilled(self, stream, prompt, params, first_token, first_logprobs, accepted) -> None:
+        rid = stream.request_id
+        try:
+            blocks = self.engine.add_prefilled_request(rid, prompt, params, first_token, first_logprobs)
+        except Exception as e:
+            _settle(accepted, error=e)
+            return
+        self._streams[rid] = stream
+        if not _settle(accepted, blocks):  # the caller left: nobody will pull or read
+            self._publish(self.engine.abort_request([rid]))
+            if blocks is not None:
+                self.engine.finish_kv_pull(rid, ok=False)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -193,6 +209,8 @@ class AsyncLLM:
 
     def _fail_all(self, error: Exception) -> None:
         self.engine.abort_request(list(self.engine.outputs.tracked))
+        # the failed step may have indexed blocks it never wrote: forget cached contents
+        self.engine.kv.pool.reset_prefix_cache()
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()
@@ -201,3 +219,16 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+
+
+def _settle(future: Future, result=None, error: BaseException | None = None) -> bool:
+    """Resolve a caller's future; False when the caller had already cancelled it (an actor
+    task cancelled by Ray), which must not take the loop thread down."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+        return True
+    except InvalidStateError:
+        return False

@@ -24,8 +24,7 @@ class IncrementalDetokenizer:
     read_offset: int = 0
 
     def __post_init__(self):
-        skip = self.skip_special_tokens and self.tokenizer is not None
-        self.special_ids = set(self.tokenizer.all_special_ids) if skip else set()
+        self.special_ids = special_token_ids(self.tokenizer) if self.skip_special_tokens else set()
 
     def _decode(self, ids: list[int]) -> str:
         ids = [t for t in ids if t not in self.special_ids]
@@ -43,6 +42,13 @@ class IncrementalDetokenizer:
             return self._check_stop(len(full) - len(prefix))
         return None
 
+    def visible_text(self) -> str:
+        """The text a stream may show before the request ends: the tail that could still
+        become the start of a stop string is held back, so streamed text never shows
+        characters that the final (cut) text does not have."""
+        hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        return self.text[: len(self.text) - hold] if hold else self.text
+
     def _check_stop(self, new_chars: int) -> str | None:
         """Cut the text at the earliest stop string that the new characters completed."""
         found = None  # (index, stop)
@@ -57,3 +63,15 @@ class IncrementalDetokenizer:
         idx, stop = found
         self.text = self.text[: idx + len(stop) if self.include_stop_str_in_output else idx]
         return stop
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Every special token, the added ones flagged `special` included (what HF's
+    `decode(skip_special_tokens=True)` drops)."""
+    if tokenizer is None:
+        return set()
+    ids = set(tokenizer.all_special_ids)
+    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(token, "special", False):
+            ids.add(token_id)
+    return ids

@@ -140,13 +140,15 @@ class LLMEngine:
     def _make_samples(self, request_id, prompt, params, priority, deadline) -> list[Request]:
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
-        if request_id in self.outputs.tracked:
-            raise InvalidArgumentError("request_id", request_id, "an id not already in flight")
+        sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys() | self.pins.pins.keys()
+        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.kv_pulls:
+            raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
         group = SampleGroup(params.n) if params.n > 1 else None
         now = time.monotonic()
         samples = [
             Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                request_id=sample_ids[i],
                 prompt_token_ids=ids,
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
@@ -171,10 +173,11 @@ class LLMEngine:
             samples = self.outputs.samples_of(rid)
             if not samples:
                 continue
-            pulling = self.kv_pulls.pop(rid, None)
-            if pulling is not None:  # its blocks were reserved for a pull: give them back
+            pulling = self.kv_pulls.get(rid)
+            if pulling is not None:
+                # A transfer may still be writing into its blocks: they are freed when the
+                # pull reports back (finish_kv_pull), never before.
                 pulling.status = RequestStatus.FINISHED_ABORTED
-                self.kv.free(pulling)
             self.scheduler.abort([s.request_id for s in samples])
             for s in samples:
                 self.runner.sampler.forget(s.request_id)
@@ -302,7 +305,10 @@ class LLMEngine:
         """The pull into the reserved blocks finished (ok) or failed (recompute here)."""
         req = self.kv_pulls.pop(request_id, None)
         if req is None:
-            return  # aborted meanwhile
+            return
+        if req.finished:  # aborted while the pull was writing: now its blocks can go
+            self.kv.free(req)
+            return
         if ok:
             req.num_computed_tokens = req.num_prompt_tokens
             self.kv.allocate_slots(req, 0)  # indexes the pulled full blocks for prefix reuse

@@ -68,7 +68,7 @@ class OutputProcessor:
             completions.append(
                 CompletionOutput(
                     index=s.sample_index,
-                    text=d.text,
+                    text=d.text if s.finished else d.visible_text(),
                     token_ids=list(s.output_token_ids),
                     cumulative_logprob=s.cumulative_logprob if asked else None,
                     logprobs=lps if asked else None,

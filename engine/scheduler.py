@@ -107,7 +107,9 @@ class Scheduler:
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        self.waiting.sort(key=self.rank_key)
+        # Requests that already hold their KV (pulled from a prefill worker) go first: they
+        # need one token's room at most, and their blocks are stuck until they run.
+        self.waiting.sort(key=lambda r: (not self.kv.block_ids(r.request_id), self.rank_key(r)))
         admitted = []
         for req in self.waiting:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:

@@ -5,6 +5,10 @@ Disaggregated: prefill worker (prefix affinity) -> first token + KVTicket -> dec
 both. A worker that dies is removed and traffic continues on the rest; a request whose
 worker died before it produced any output is retried on another worker; one whose decode
 worker died mid-stream fails with WorkerDiedError (streamed tokens cannot be unsent).
+
+The router remembers which workers each in-flight request touched, so `abort(request_id)`
+(a client that went away) reaches every one of them, and a request whose consumer stops
+early is aborted on them too. It records the request-level metrics (router/metrics.py).
 """
 
 from __future__ import annotations
@@ -12,16 +16,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from kvray.actors.routing_policy import WorkerLoad, choose_decode, choose_prefill, prefix_key
 from kvray.configs import DeploymentConfig
 from kvray.engine import CompletionOutput, RequestOutput, SamplingParams
 from kvray.errors import KvrayError
+from kvray.router.metrics import RequestTimer, RouterMetrics
+from kvray.router.policy import WorkerLoad, choose_decode, choose_prefill, prefix_key
 
 logger = logging.getLogger(__name__)
 _DEAD = (RayActorError, ActorUnavailableError)
@@ -44,7 +50,7 @@ class _Worker:
 
 
 class Router:
-    def __init__(self, config: dict, workers: list[tuple[str, str, object]]):
+    def __init__(self, config: dict, workers: list[tuple[str, str, object]], model_name: str | None = None):
         self.config = DeploymentConfig(**config)
         self.workers = {wid: _Worker(wid, role, h, WorkerLoad(wid)) for wid, role, h in workers}
         self.block_size = self.config.engine.get("block_size", 16)
@@ -52,6 +58,10 @@ class Router:
         self.ids = itertools.count()
         self.health_task: asyncio.Task | None = None
         self.num_retries = 0
+        self.active: dict[str, dict[str, _Worker]] = {}  # request id -> the workers it touched
+        self.aborted: set[str] = set()
+        self.metrics = RouterMetrics(model_name or self.config.engine.get("model", "smollm2-135m-instruct"))
+        self.timers: dict[str, RequestTimer] = {}
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -66,8 +76,55 @@ class Router:
             gen = self._generate_disaggregated(request_id, prompt_input, params)
         else:
             gen = self._generate_colocated(request_id, prompt_input, params)
-        async for out in gen:
-            yield out
+        timer = self.timers[request_id] = RequestTimer(len(prompt_input["prompt_token_ids"]))
+        self.active[request_id] = {}
+        final = None
+        try:
+            async for out in gen:
+                self.metrics.on_output(timer, sum(len(c.token_ids) for c in out.outputs))
+                if out.finished:
+                    final = out
+                yield out
+                if request_id in self.aborted:
+                    return
+        finally:
+            await gen.aclose()
+            touched = self.active.pop(request_id, {})
+            self.aborted.discard(request_id)
+            del self.timers[request_id]
+            if final is None:  # the consumer left, or it failed: stop it everywhere
+                for w in touched.values():
+                    w.handle.abort.remote(request_id)
+            reason = final.outputs[0].finish_reason if final is not None else "abort"
+            self.metrics.on_finish(timer, reason or "abort")
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request on every worker it touched (a client went away).
+        Returns False when the request is not (or no longer) in flight."""
+        touched = self.active.get(request_id)
+        if touched is None:
+            return False
+        self.aborted.add(request_id)
+        await asyncio.gather(
+            *(w.handle.abort.remote(request_id) for w in touched.values()), return_exceptions=True
+        )
+        return True
+
+    async def metrics_text(self) -> bytes:
+        """Prometheus text: the router's request metrics and every live worker's stats."""
+        stats = await asyncio.gather(
+            *(w.handle.stats.remote() for w in self.workers.values()), return_exceptions=True
+        )
+        return self.metrics.render([s for s in stats if not isinstance(s, BaseException)])
+
+    async def model_info(self) -> dict:
+        """max_model_len and vocab_size, as a worker's engine sees them."""
+        for w in list(self.workers.values()):
+            try:
+                return await w.handle.model_info.remote()
+            except _DEAD:
+                self._remove(w, "died before answering")
+        raise NoWorkerError("no live worker left")
 
     async def live_workers(self) -> dict[str, list[str]]:
         pools: dict[str, list[str]] = {}
@@ -99,16 +156,22 @@ class Router:
             prompt_input["prompt_token_ids"], self.block_size, self.config.router.affinity_blocks
         )
         prefill, handoff = await self._with_retries(
+            rid,
             "prefill",
             lambda pool: choose_prefill(pool, key, self.config.router.imbalance_threshold),
             lambda w: w.handle.prefill.remote(rid, prompt_input, params),
         )
+        if rid in self.aborted:  # the client left during the prefill: let the pin go
+            if handoff.ticket is not None:
+                prefill.handle.release_kv.remote(rid)
+            return
         yield self._first_token_output(rid, params, handoff)  # time to first token ends here
         tried: set[str] = set()
         while True:
-            decode = self._pick("decode", choose_decode, tried)
+            decode = self._pick_for(rid, "decode", choose_decode, tried)
             produced = False
             decode.load.in_flight += 1
+            start = self._start_cost(decode)
             try:
                 async for ref in decode.handle.decode.remote(rid, params, handoff, prefill.handle):
                     out = await ref
@@ -125,15 +188,17 @@ class Router:
                 self._count_retry(tried)
             finally:
                 decode.load.in_flight -= 1
+                self._add_cost(rid, decode, start)
 
     async def _generate_colocated(self, rid, prompt_input, params):
         tried: set[str] = set()
         while True:
-            worker = self._pick(
-                "mixed", lambda pool: min(pool, key=lambda w: (w.in_flight, w.worker_id)), tried
+            worker = self._pick_for(
+                rid, "mixed", lambda pool: min(pool, key=lambda w: (w.in_flight, w.worker_id)), tried
             )
             produced = False
             worker.load.in_flight += 1
+            start = self._start_cost(worker)
             try:
                 async for ref in worker.handle.generate.remote(rid, prompt_input, params):
                     out = await ref
@@ -148,13 +213,15 @@ class Router:
                 self._count_retry(tried)
             finally:
                 worker.load.in_flight -= 1
+                self._add_cost(rid, worker, start)
 
-    async def _with_retries(self, role, choose, call):
+    async def _with_retries(self, rid, role, choose, call):
         """Run a unary call on a chosen worker; on death, remove it and try another."""
         tried: set[str] = set()
         while True:
-            worker = self._pick(role, choose, tried)
+            worker = self._pick_for(rid, role, choose, tried)
             worker.load.in_flight += 1
+            start = self._start_cost(worker)
             try:
                 return worker, await call(worker)
             except _DEAD:
@@ -163,6 +230,7 @@ class Router:
                 self._count_retry(tried)
             finally:
                 worker.load.in_flight -= 1
+                self._add_cost(rid, worker, start)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -172,6 +240,23 @@ class Router:
             raise NoWorkerError(f"no live {role} worker left")
         chosen = choose([w.load for w in pool])
         return self.workers[chosen.worker_id]
+
+    def _pick_for(self, rid: str, role: str, choose, exclude: set[str]) -> _Worker:
+        worker = self._pick(role, choose, exclude)
+        self.active.setdefault(rid, {})[worker.worker_id] = worker
+        return worker
+
+    @staticmethod
+    def _start_cost(worker: _Worker) -> tuple[float, int]:
+        return time.monotonic(), worker.load.in_flight
+
+    def _add_cost(self, rid: str, worker: _Worker, start: tuple[float, int]) -> None:
+        """The worker's price x the time this request held it, split by the requests sharing it."""
+        timer = self.timers.get(rid)
+        price = getattr(self.config, worker.role).price_per_hour
+        if timer is not None and price:
+            held = time.monotonic() - start[0]
+            timer.cost_usd += price / 3600.0 * held / max(start[1], 1)
 
     def _count_retry(self, tried: set[str]) -> None:
         self.num_retries += 1

@@ -136,3 +136,13 @@ def test_earliest_stop_string_wins_when_one_piece_completes_two(tok):
     detok.text += "abc"
     assert detok._check_stop(new_chars=3) == "xa"
     assert detok.text == "zz"
+
+
+def test_visible_text_holds_back_a_possible_stop_string_start(tok):
+    detok = IncrementalDetokenizer(tok, stop_strings=["END!"])
+    detok.text = "hello EN"
+    assert detok.visible_text() == "hello"  # "EN" (and one more char) may begin "END!"
+    assert IncrementalDetokenizer(tok).visible_text() == ""
+    plain = IncrementalDetokenizer(tok)
+    plain.text = "abc"
+    assert plain.visible_text() == "abc"  # no stop strings: nothing held back

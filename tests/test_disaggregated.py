@@ -11,9 +11,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from kvray.actors.router import WorkerDiedError  # noqa: E402
 from kvray.cluster.local import ensure_ray, launch  # noqa: E402
 from kvray.engine import LLM, SamplingParams  # noqa: E402
+from kvray.router.router import WorkerDiedError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

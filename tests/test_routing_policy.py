@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvray.actors.routing_policy import WorkerLoad, choose_decode, choose_prefill, prefix_key
+from kvray.router.policy import WorkerLoad, choose_decode, choose_prefill, prefix_key
 
 
 def test_prefix_key_covers_only_the_leading_full_blocks():

@@ -1,0 +1,20 @@
+"""Serve configuration: the deployment plus what the HTTP front needs (data only)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kvray.configs.deployment import DeploymentConfig
+
+
+class ServeConfig(DeploymentConfig):
+    """What `kvray.router.build_app` takes: a DeploymentConfig (same fields, flat) plus
+    the OpenAI front's name, key and admission limits."""
+
+    app_name: str = "kvray"  # the Serve application name (handles: serve.get_app_handle)
+    model_name: str = "smollm2-135m-instruct"  # the `model` clients send; /v1/models lists it
+    api_key: str | None = None  # None: no auth; else `Authorization: Bearer <api_key>`
+    max_body_bytes: int = Field(1 << 20, ge=1)  # larger request bodies get 413
+    max_queued_requests: int = Field(64, ge=1)  # requests in flight per ingress replica; more get 503
+    retry_after_seconds: int = Field(1, ge=0)  # the 503's Retry-After header
+    num_replicas: int = Field(1, ge=1)  # ingress replicas (they share one Router)

@@ -1,0 +1,336 @@
+"""The Ray Serve app: an OpenAI-compatible FastAPI ingress in front of the Router.
+
+`build_app(config)` is a pure builder: it validates a dict (or a YAML path, or a shipped
+preset's name) into `ServeConfig` and binds the ingress deployment; nothing starts until
+Serve runs the app. The ingress replica then starts the worker pools (each worker in its
+own placement group) and the Router actor; they share its lifetime.
+
+HTTP: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Handles: `generate(request)` returns the response body of an OpenAI request
+dict (chat when it has `messages`), `generate_stream(request)` yields its stream chunks.
+A request with `n` samples or several prompts is fanned out into one router request per
+choice. A client that goes away aborts its requests on every worker they touched.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the (pickled) routes.
+
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+import yaml
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from kvray.actors.launch import start_pools, stop_pools
+from kvray.configs import DeploymentConfig, ServeConfig
+from kvray.errors import InvalidArgumentError, KvrayError
+from kvray.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from kvray.router.responses import ResponseBuilder, Usage
+from kvray.router.router import RouterActor
+from kvray.router.streams import all_or_none, merge, sse
+
+logger = logging.getLogger(__name__)
+PRESETS = Path(__file__).resolve().parent.parent / "configs"
+
+app = FastAPI(title="kvray", description="OpenAI-compatible LLM serving on Ray")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_request: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_request: Request, e: Exception) -> JSONResponse:
+    logger.exception("kvray ingress: request failed")
+    body = APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+def load_config(config: ServeConfig | dict | str | Path) -> ServeConfig:
+    """A ServeConfig from a dict, a YAML path, or a preset name (`smollm2-cpu-pd`)."""
+    if isinstance(config, ServeConfig):
+        return config
+    if isinstance(config, str | Path):
+        path = Path(config)
+        if not path.exists():
+            path = PRESETS / (path.name if path.suffix else f"{path.name}.yaml")
+        if not path.exists():
+            raise InvalidArgumentError("config", str(config), "a YAML file or a preset in kvray/configs")
+        config = yaml.safe_load(path.read_text()) or {}
+    return ServeConfig(**config)
+
+
+def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
+    """Validate the config and bind the ingress (Serve config files: `args` is this dict,
+    or `{"config": "<yaml path>"}`)."""
+    if isinstance(config, dict) and set(config) == {"config"}:
+        config = config["config"]
+    cfg = load_config(config)
+    ingress = OpenAIIngress.options(
+        name=f"{cfg.app_name}-ingress",
+        max_ongoing_requests=cfg.max_queued_requests + 16,  # past the limit we answer 503 ourselves
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(cfg.model_dump())
+
+
+# Serve pickles the ingress class by value, with the globals defined before it.
+
+
+def _num_prompt_tokens(jobs: list, n: int) -> int:
+    return sum(len(prompt["prompt_token_ids"]) for _, prompt, _ in jobs[::n])
+
+
+def _replace(params, **changes):
+    return dataclasses.replace(params, **changes)
+
+
+def _cause(e: BaseException) -> BaseException:
+    while isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    return e
+
+
+def _api_error_of(e: KvrayError) -> APIError:
+    if isinstance(e, InvalidArgumentError):
+        return APIError.invalid(e)
+    return APIError(503, str(e), type="service_unavailable", code=type(e).__name__)
+
+
+def _error_body(e: KvrayError) -> dict:
+    return _api_error_of(e).body()
+
+
+def _load_tokenizer(model: str):
+    from kvray.models.loader import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path(model))
+
+
+@serve.deployment
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, config: dict):
+        self.config = ServeConfig(**config)
+        deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
+        self.workers = start_pools(deployment)
+        self.router = RouterActor.options(num_cpus=0, max_concurrency=1000).remote(
+            deployment.model_dump(),
+            [(wid, role, actor) for wid, (role, actor, _) in self.workers.items()],
+            self.config.model_name,
+        )
+        self.limits = ray.get(self.router.model_info.remote())
+        self.tokenizer = _load_tokenizer(deployment.engine.get("model", "smollm2-135m-instruct"))
+        self.num_in_flight = 0
+
+    def __del__(self):
+        try:
+            ray.kill(self.router)
+            stop_pools(self.workers)
+        except Exception:
+            pass
+
+    # ---- HTTP ---------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._http(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._http(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._check_auth(request)
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvray",
+            "max_model_len": self.limits["max_model_len"],
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        pools = await self.router.live_workers.remote()
+        roles = ["prefill", "decode"] if self.config.disaggregated else ["mixed"]
+        ok = all(pools.get(r) for r in roles)
+        return JSONResponse({"status": "ok" if ok else "degraded", "workers": pools}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        text = await self.router.metrics_text.remote()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _http(self, request: Request, chat: bool) -> Response:
+        self._check_auth(request)
+        body = await self._read_json(request)
+        if body.get("stream"):
+            gen = self._stream(body, chat)
+            await anext(gen)  # validated and admitted: errors so far are still plain HTTP errors
+            return StreamingResponse(sse(gen), media_type="text/event-stream")
+        return JSONResponse(await self._complete(body, chat))
+
+    def _check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {key}":
+            raise APIError(
+                401, "missing or wrong API key", type="authentication_error", code="invalid_api_key"
+            )
+
+    async def _read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
+        too_big = APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise too_big
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise too_big
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    # ---- handle API ---------------------------------------------------------------------
+
+    async def generate(self, request: dict) -> dict:
+        """An OpenAI request body (chat if it has `messages`) -> its response body."""
+        return await self._complete(request, chat="messages" in request)
+
+    async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
+        """An OpenAI request body -> its stream chunks (with a usage chunk if asked)."""
+        gen = self._stream(request, chat="messages" in request)
+        await anext(gen)
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()
+
+    # ---- the work -----------------------------------------------------------------------
+
+    async def _complete(self, body: dict, chat: bool) -> dict:
+        req, builder, jobs = self._prepare(body, chat)
+        with self._admitted():
+            finals = await all_or_none([self._final(*job) for job in jobs])
+        usage = Usage(_num_prompt_tokens(jobs, req.n), sum(len(f.outputs[0].token_ids) for f in finals))
+        return builder.body({i: f.outputs[0] for i, f in enumerate(finals)}, usage)
+
+    async def _stream(self, body: dict, chat: bool) -> AsyncIterator[dict]:
+        req, builder, jobs = self._prepare(body, chat)
+        with self._admitted():
+            yield None  # validated and admitted: the caller may start the response now
+            outs = {}
+            try:
+                async for index, out in merge([self._outputs(*job) for job in jobs]):
+                    outs[index] = out.outputs[0]
+                    chunk = builder.delta_chunk(index, out.outputs[0], req.include_usage)
+                    if chunk is not None:
+                        yield chunk
+            except KvrayError as e:
+                yield _error_body(e)
+                return
+            if req.include_usage:
+                done = sum(len(c.token_ids) for c in outs.values())
+                yield builder.usage_chunk(Usage(_num_prompt_tokens(jobs, req.n), done))
+
+    def _prepare(self, body: dict, chat: bool):
+        """Validate and tokenize: (request, response builder, [(request id, prompt, params)])."""
+        req = parse_request(body, chat)
+        if req.model != self.config.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist", param="model", code="model_not_found")
+        try:
+            params = req.to_params()
+            prompts = self._prompts(req)
+        except InvalidArgumentError as e:
+            raise APIError.invalid(e) from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        builder = ResponseBuilder(chat, req.model, rid, self.tokenizer)
+        jobs = []
+        for p, prompt in enumerate(prompts):
+            for i in range(req.n):
+                seed = None if params.seed is None else params.seed + i
+                sample = params if i == 0 else _replace(params, seed=seed)
+                jobs.append((f"{rid}-{p * req.n + i}", prompt, sample))
+        return req, builder, jobs
+
+    def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[dict]:
+        if isinstance(req, ChatCompletionRequest):
+            conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+            prompts = [(text, self.tokenizer(text, add_special_tokens=False).input_ids)]
+        else:
+            raw = req.prompt
+            if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+                raw = [raw]
+            if not raw:
+                raise InvalidArgumentError("prompt", req.prompt, "a non-empty prompt")
+            prompts = [(p, self.tokenizer(p).input_ids) if isinstance(p, str) else (None, p) for p in raw]
+        limit, vocab = self.limits["max_model_len"], self.limits["vocab_size"]
+        for _, ids in prompts:
+            if not ids:
+                raise InvalidArgumentError("prompt", ids, "at least 1 token")
+            if len(ids) >= limit:
+                raise InvalidArgumentError("prompt", f"<{len(ids)} tokens>", f"fewer than {limit} tokens")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise InvalidArgumentError("prompt", "token ids", f"ids in [0, {vocab - 1}]")
+        return [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+
+    async def _outputs(self, rid: str, prompt: dict, params):
+        """One router request's cumulative outputs; leaving early aborts it everywhere."""
+        finished = False
+        try:
+            async for ref in self.router.generate.remote(prompt, params, rid):
+                out = await ref
+                finished = out.finished
+                yield out
+        except ray.exceptions.RayTaskError as e:
+            raise _cause(e) from None
+        finally:
+            if not finished:
+                self.router.abort.remote(rid)
+
+    async def _final(self, rid: str, prompt: dict, params):
+        final = None
+        try:
+            async for final in self._outputs(rid, prompt, params):  # noqa: B007 (keep the last)
+                pass
+        except KvrayError as e:
+            raise _api_error_of(e) from None
+        return final
+
+    @contextmanager
+    def _admitted(self):
+        """Hold one of `max_queued_requests` slots, or answer 503 with Retry-After."""
+        if self.num_in_flight >= self.config.max_queued_requests:
+            raise APIError(
+                503,
+                "the server is at capacity; retry later",
+                type="server_overloaded",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after_seconds)},
+            )
+        self.num_in_flight += 1
+        try:
+            yield
+        finally:
+            self.num_in_flight -= 1

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible Serve app (PD preset shape) against the official `openai` client.
+
+One local Ray and one Serve app for the module (1 prefill + 1 decode worker, torch_dist):
+greedy answers equal the offline engine's, streamed text equals non-streamed, usage is
+right, every bad input gets its status and OpenAI's error body, concurrent streams all
+finish, a client that leaves mid-stream frees every block, /metrics counts what was sent,
+and the README's handle example runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx2")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from ray import serve  # noqa: E402
+
+from kvray.cluster.local import ensure_ray  # noqa: E402
+from kvray.engine import LLM, SamplingParams  # noqa: E402
+from kvray.router import build_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "test-key"
+PROMPTS = ["The capital of France is", "def square(x):\n    return", "Rain falls when"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_QUEUED = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine_args(smollm2_path):
+    return {
+        "model": str(smollm2_path),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 48 << 20,
+    }
+
+
+@pytest.fixture(scope="module")
+def offline(engine_args):
+    llm = LLM(**engine_args)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    completions = [o.outputs[0] for o in llm.generate(PROMPTS, greedy)]
+    chat = llm.chat(CHAT, greedy)[0].outputs[0]
+    return {"completions": completions, "chat": chat, "tokenizer": llm.tokenizer}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, engine_args):
+    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    pool = {"num_workers": 1, "num_cpus": 0.5, "torch_threads": 1, "price_per_hour": 3.6}
+    config = {
+        "model_name": MODEL,
+        "engine": engine_args,
+        "disaggregated": True,
+        "prefill": pool,
+        "decode": pool,
+        "kv_transfer": {"connector": "torch_dist"},
+        "router": {"health_check_seconds": 0.5},
+        "api_key": API_KEY,
+        "max_body_bytes": 64 << 10,
+        "max_queued_requests": MAX_QUEUED,
+    }
+    serve.run(build_app(config), name="kvray", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def _metrics(http) -> dict:
+    """{(name, frozenset(labels)): value} of every sample on /metrics."""
+    text = http.get("/metrics").text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _total(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def _worker_stats():
+    workers = [ray.get_actor(f"kvray-{wid}") for wid in ("prefill-0", "decode-0")]
+    return ray.get([w.stats.remote() for w in workers])
+
+
+def _wait_clean(timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _worker_stats()
+        if all(s.used_blocks == 0 and s.pinned == 0 and s.num_running == 0 for s in stats):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+
+
+def test_completions_match_offline_streamed_and_not(client, offline):
+    for prompt, want in zip(PROMPTS, offline["completions"]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want.text
+        assert r.choices[0].finish_reason == want.finish_reason
+        assert r.usage.completion_tokens == len(want.token_ids)
+        assert r.usage.prompt_tokens == len(offline["tokenizer"](prompt).input_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+
+
+def test_prompt_lists_token_ids_and_n(client, offline):
+    tok = offline["tokenizer"]
+    ids = tok(PROMPTS[0]).input_ids
+    r = client.completions.create(model=MODEL, prompt=[PROMPTS[1], ids], max_tokens=12, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [offline["completions"][1].text, offline["completions"][0].text]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [offline["completions"][2].text] * 2
+    assert r.usage.prompt_tokens == len(tok(PROMPTS[2]).input_ids)
+    assert r.usage.completion_tokens == 2 * len(offline["completions"][2].token_ids)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(x <= 0 for x in lp.token_logprobs) and "".join(lp.tokens) == r.choices[0].text
+
+
+def test_chat_sync_and_async_match_offline(client, server, offline):
+    want = offline["chat"]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(want.token_ids)
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+        plain = await aclient.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=12, temperature=0
+        )
+        stream = await aclient.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            top_logprobs=2,
+        )
+        chunks = [c async for c in stream]
+        await aclient.close()
+        return plain, chunks
+
+    plain, chunks = asyncio.run(run())
+    assert plain.choices[0].message.content == want.text
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == want.text
+    logprobs = [t for c in with_choices if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(logprobs) == len(want.token_ids) and all(len(t.top_logprobs) == 2 for t in logprobs)
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def _error(r, status: int, param=None):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, http):
+    good = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    post = http.post
+    _error(post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    _error(post("/v1/completions", json={**good, "temperature": -1}), 400, "temperature")
+    _error(post("/v1/completions", json={**good, "max_tokens": "many"}), 400, "max_tokens")
+    _error(post("/v1/completions", json={"model": MODEL}), 400, "prompt")
+    _error(post("/v1/completions", json={**good, "prompt": [999999]}), 400, "prompt")
+    _error(post("/v1/completions", json={**good, "prompt": "hi " * 600}), 400, "prompt")
+    _error(post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400, "messages")
+    _error(post("/v1/completions", json={**good, "model": "gpt-4"}), 404, "model")
+    err = _error(httpx.post(f"{server}/v1/completions", json=good), 401)
+    assert err["type"] == "authentication_error"
+    _error(httpx.post(f"{server}/v1/completions", json=good, headers={"Authorization": "Bearer no"}), 401)
+    _error(post("/v1/completions", json={**good, "prompt": "x" * (70 << 10)}), 413)
+    with pytest.raises(openai.BadRequestError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0).completions.create(
+            model=MODEL, prompt="Hi", top_p=0
+        )
+    r = post("/v1/completions", json=good)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert http.get("/health").status_code == 200
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_sixteen_concurrent_streams_complete(server, offline):
+    async def one(aclient, i):
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=PROMPTS[i % 3], max_tokens=12, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        texts = await asyncio.gather(*(one(aclient, i) for i in range(16)))
+        await aclient.close()
+        return texts
+
+    texts = asyncio.run(run())
+    assert texts == [offline["completions"][i % 3].text for i in range(16)]
+    _wait_clean()
+
+
+def _open_stream(server: str, max_tokens: int = 400):
+    """A raw streaming request; returns (client, response, lines) after the first data line."""
+    c = httpx.Client(base_url=server, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"})
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
+    req = c.build_request("POST", "/v1/completions", json={**body, "stream": True})
+    r = c.send(req, stream=True)
+    assert r.status_code == 200
+    lines = r.iter_lines()  # kept open by the caller: a collected iterator closes the response
+    assert next(line for line in lines if line.startswith("data:"))
+    return c, r, lines
+
+
+def test_full_queue_503_and_disconnects_free_every_block(server, http):
+    http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})  # pair group up
+    opened = [_open_stream(server) for _ in range(MAX_QUEUED)]
+    try:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        err = _error(r, 503)
+        assert err["code"] == "queue_full" and r.headers["retry-after"] == "1"
+        assert any(s.used_blocks > 0 for s in _worker_stats())
+    finally:
+        for c, r, _ in opened:  # clients leave mid-stream
+            r.close()
+            c.close()
+    stats = _wait_clean()
+    assert all(s.num_waiting == 0 for s in stats)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_metrics_count_what_was_sent(http):
+    before = _metrics(http)
+    sent_prompt, sent_gen = 0, 0
+    for prompt in PROMPTS:
+        usage = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True}
+        ).json()["usage"]
+        sent_prompt += usage["prompt_tokens"]
+        sent_gen += usage["completion_tokens"]
+    after = _metrics(http)
+
+    def delta(name, **labels):
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    assert delta("kvray:request_success_total", finished_reason="length") == len(PROMPTS)
+    assert delta("kvray:prompt_tokens_total") == sent_prompt
+    assert delta("kvray:generation_tokens_total") == sent_gen == 5 * len(PROMPTS)
+    assert delta("kvray:time_to_first_token_seconds_count") == len(PROMPTS)
+    assert delta("kvray:inter_token_latency_seconds_count") == 4 * len(PROMPTS)
+    assert delta("kvray:e2e_request_latency_seconds_count") == len(PROMPTS)
+    assert delta("kvray:request_generation_tokens_sum") == sent_gen
+    assert _total(after, "kvray:kv_transfer_bytes_total", role="decode") > 0
+    assert _total(after, "kvray:prefix_cache_queries_total", role="prefill") > 0
+    assert delta("kvray:request_cost_usd_sum") > 0
+    usage_labels = frozenset({("model_name", MODEL), ("role", "decode"), ("worker", "decode-0")})
+    assert ("kvray:kv_cache_usage_perc", usage_labels) in after
+
+
+def test_readme_handle_example_runs(server):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(# handle example\n.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    body = namespace["response"]
+    assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] > 0
+    assert "".join(namespace["pieces"]) == body["choices"][0]["text"]
+    json.dumps(body)
