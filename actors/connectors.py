@@ -38,9 +38,9 @@ class KVPullError(KvrayError):
 class KVSource:
     """The prefill side: packs pinned blocks for a pull (any thread; pins guard them)."""
 
-    def __init__(self, pins: PinTable, kv_caches: list, device: torch.device, layout: KVLayout):
+    def __init__(self, pins: PinTable, kv_cache: torch.Tensor, device: torch.device, layout: KVLayout):
         self.pins = pins
-        self.kv_caches = kv_caches
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, Hkv, D]
         self.device = device
         self.layout = layout
         self.pair_groups: dict[str, PairGroups] = {}  # decode worker id -> its pair
@@ -51,7 +51,7 @@ class KVSource:
 
     def pack(self, request_id: str, blocks: list[int]) -> torch.Tensor:
         try:
-            return pack_blocks(self.kv_caches, blocks)
+            return pack_blocks(self.kv_cache, blocks)
         finally:
             self.pins.end_read(request_id)
 
@@ -99,12 +99,13 @@ class KVConnector(ABC):
         self.backend = backend
 
     @abstractmethod
-    async def pull(self, ticket: KVTicket, prefill, kv_caches, dst_blocks: list[int]) -> int:
-        """Copy the ticket's blocks into `dst_blocks` of `kv_caches`; returns bytes moved."""
+    async def pull(self, ticket: KVTicket, prefill, kv_cache: torch.Tensor, dst_blocks: list[int]) -> int:
+        """Copy the ticket's blocks into `dst_blocks` of `kv_cache` (the engine's
+        [num_layers, 2, num_blocks, ...] tensor); returns bytes moved."""
 
 
 class ObjectStoreConnector(KVConnector):
-    async def pull(self, ticket, prefill, kv_caches, dst_blocks):
+    async def pull(self, ticket, prefill, kv_cache, dst_blocks):
         try:
             packed = await asyncio.wait_for(
                 prefill.export_kv.remote(ticket.request_id), self.config.pull_timeout_seconds
@@ -113,7 +114,7 @@ class ObjectStoreConnector(KVConnector):
             raise KVPullError(f"object-store pull of {ticket.request_id} failed: {e!r}") from e
         if packed is None:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
-        await asyncio.to_thread(unpack_blocks, kv_caches, dst_blocks, packed)
+        await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed)
         return packed.numel() * packed.element_size()
 
 
@@ -144,7 +145,7 @@ class TorchDistConnector(KVConnector):
                 await joined
             return self.groups[peer_id]
 
-    async def pull(self, ticket, prefill, kv_caches, dst_blocks):
+    async def pull(self, ticket, prefill, kv_cache, dst_blocks):
         """Ask on the control group, then receive on the data group: the sender answers
         with a one-element header (1: the blocks follow, 0: the pin is gone), so a late
         pull never waits for data; the blocks then come as layer-range chunks, all
@@ -158,7 +159,7 @@ class TorchDistConnector(KVConnector):
 
             def transfer() -> int:
                 groups.control.send([request], 1, REQUEST_TAG).wait(timeout)
-                return receive_packed(groups.data, ticket, kv_caches, dst_blocks, tag)
+                return receive_packed(groups.data, ticket, kv_cache, dst_blocks, tag)
 
             async with self.pair_locks.setdefault(peer_id, asyncio.Lock()):
                 moved = await asyncio.to_thread(transfer)
@@ -190,10 +191,10 @@ def decode_request(words: torch.Tensor) -> tuple[int, str]:
     return tag, words[2:].numpy().tobytes()[:length].decode()
 
 
-def receive_packed(pg, ticket: KVTicket, kv_caches, dst_blocks: list[int], tag: int) -> int:
+def receive_packed(pg, ticket: KVTicket, kv_cache, dst_blocks: list[int], tag: int) -> int:
     """The decode side of a torch_dist pull (blocking; run it in a thread)."""
     layout = ticket.layout
-    device = kv_caches[0][0].device
+    device = kv_cache.device
     header = torch.zeros(1, dtype=torch.int64, device=device)
     pg.recv([header], 1, tag).wait()
     if int(header.item()) == 0:
@@ -205,7 +206,7 @@ def receive_packed(pg, ticket: KVTicket, kv_caches, dst_blocks: list[int], tag: 
     works = [pg.recv([buf], 1, tag + 1 + i) for i, buf in enumerate(bufs)]
     for layers, buf, work in zip(chunks, bufs, works):
         work.wait()
-        unpack_blocks(kv_caches, dst_blocks, buf, layers)
+        unpack_blocks(kv_cache, dst_blocks, buf, layers)
     return sum(b.numel() * b.element_size() for b in bufs)
 
 
@@ -220,7 +221,7 @@ def send_packed(pg, source: KVSource, request_id: str, tag: int) -> int:
     try:
         pg.send([torch.ones(1, dtype=torch.int64, device=source.device)], 0, tag).wait()
         for i, layers in enumerate(layer_chunks(source.layout, len(blocks))):
-            packed = pack_blocks(source.kv_caches, blocks, layers)
+            packed = pack_blocks(source.kv_cache, blocks, layers)
             works.append(pg.send([packed], 0, tag + 1 + i))
             sent += packed.numel() * packed.element_size()
         for work in works:

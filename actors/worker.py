@@ -77,7 +77,7 @@ class EngineWorker:
         self.kv_config = KVTransferConfig(**(kv_config or {}))
         self.llm = AsyncLLM(EngineConfig(**engine_config))
         engine = self.llm.engine
-        self.source = KVSource(engine.pins, engine.runner.kv_caches, engine.device, engine.kv_layout)
+        self.source = KVSource(engine.pins, engine.runner.kv_cache, engine.device, engine.kv_layout)
         backend = "nccl" if engine.device.type == "cuda" else "gloo"
         host = _node_ip()
         self.connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
@@ -164,7 +164,7 @@ class EngineWorker:
         try:
             if ticket is None or prefill is None:
                 raise KVPullError(f"no ticket for {request_id}")
-            moved = await self.connector.pull(ticket, prefill, self.llm.engine.runner.kv_caches, blocks)
+            moved = await self.connector.pull(ticket, prefill, self.llm.engine.runner.kv_cache, blocks)
             self.pulled_bytes += moved
             self.pull_seconds += time.perf_counter() - start
             ok = True

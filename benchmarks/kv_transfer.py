@@ -3,8 +3,9 @@ TTFT / inter-token latency of the disaggregated path against colocated, in one r
 
 Part 1 runs two Ray actors holding paged caches of a given layout (random contents):
 one pins n blocks as a prefill worker does, the other pulls them through the real
-connector (pack, header, send, unpack into its own blocks), then the same bytes go as one
-raw `send` over the same pair group between the same two actors.
+connector (request, header, pack, send, unpack into its own blocks), then the same bytes
+go as raw `send`s over the same pair group between the same two actors, each timed from
+the sender's start to the receiver's completion (no Ray call inside the raw timing).
 
 Part 2 serves SmolLM2 (fp32) on this machine both ways with the same CPU budget: one
 prefill + one decode worker (1 torch thread each) against one mixed worker (2 threads).
@@ -41,13 +42,9 @@ class KVPeer:
 
     def __init__(self, peer_id: str, layout: KVLayout, num_blocks: int):
         torch.set_num_threads(1)
-        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.caches = [
-            (torch.randn(shape).to(layout.torch_dtype), torch.randn(shape).to(layout.torch_dtype))
-            for _ in range(layout.num_layers)
-        ]
+        self.cache = torch.randn(layout.packed_shape(num_blocks)).to(layout.torch_dtype)  # as an engine's
         self.pins = PinTable()
-        self.source = KVSource(self.pins, self.caches, torch.device("cpu"), layout)
+        self.source = KVSource(self.pins, self.cache, torch.device("cpu"), layout)
         config = KVTransferConfig(pull_timeout_seconds=120)
         host = ray.util.get_node_ip_address()
         self.connectors = {name: cls(peer_id, config, host, "gloo") for name, cls in CONNECTORS.items()}
@@ -68,28 +65,44 @@ class KVPeer:
         self, connector: str, ticket: KVTicket, src, dst_blocks: list[int], reps: int
     ) -> list[float]:
         puller = self.connectors[connector]
-        await puller.pull(ticket, src, self.caches, dst_blocks)  # warm-up (and the pair group)
+        await puller.pull(ticket, src, self.cache, dst_blocks)  # warm-up (and the pair group)
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            await puller.pull(ticket, src, self.caches, dst_blocks)
+            await puller.pull(ticket, src, self.cache, dst_blocks)
             times.append(time.perf_counter() - t)
         packed = await src.export_kv.remote(ticket.request_id)
-        assert torch.equal(self.caches[0][0][dst_blocks[0]], packed[0, 0, 0])
+        assert torch.equal(self.cache[0, 0, dst_blocks[0]], packed[0, 0, 0])
         return times
 
-    # raw send of the same bytes over the same pair group
-    async def raw_recv(self, peer_id: str, nbytes: int, tag: int) -> float:
+    # raw sends of the same bytes, back to back over the same pair (no Ray call in between)
+    async def raw_recv(self, peer_id: str, nbytes: int, count: int, tag: int) -> list[float]:
+        """Completion time of each of `count` receives, posted one after another."""
         buf = torch.empty(nbytes, dtype=torch.uint8)
         pg = self.connectors["torch_dist"].groups[peer_id].data
-        t = time.perf_counter()
-        await asyncio.to_thread(lambda: pg.recv([buf], 1, tag).wait())
-        return time.perf_counter() - t
 
-    async def raw_send(self, peer_id: str, nbytes: int, tag: int) -> None:
+        def loop() -> list[float]:
+            done = []
+            for i in range(count):
+                pg.recv([buf], 1, tag + i).wait()
+                done.append(time.perf_counter())
+            return done
+
+        return await asyncio.to_thread(loop)
+
+    async def raw_send(self, peer_id: str, nbytes: int, count: int, tag: int) -> list[float]:
+        """Start time of each of `count` sends, each started when the previous one is done."""
         buf = torch.ones(nbytes, dtype=torch.uint8)
         pg = self.source.pair_groups[peer_id].data
-        await asyncio.to_thread(lambda: pg.send([buf], 0, tag).wait())
+
+        def loop() -> list[float]:
+            starts = []
+            for i in range(count):
+                starts.append(time.perf_counter())
+                pg.send([buf], 0, tag + i).wait()
+            return starts
+
+        return await asyncio.to_thread(loop)
 
 
 def transfer_table(reps: int) -> list[str]:
@@ -119,16 +132,12 @@ def transfer_table(reps: int) -> list[str]:
 
 
 def _raw_send_seconds(src, dst, nbytes: int, reps: int) -> float:
-    """Median of a raw send of nbytes over the pair group the torch_dist pulls built."""
-    times = []
-    for i in range(reps + 1):
-        tag = 1_000_000 + i
-        recv = dst.raw_recv.remote("src", nbytes, tag)
-        ray.get(src.raw_send.remote("dst", nbytes, tag))
-        t = ray.get(recv)
-        if i:
-            times.append(t)
-    return statistics.median(times)
+    """Median time of one raw send of nbytes: from the sender's start to the receiver's
+    completion (both actors share this machine's monotonic clock), after a warm-up send."""
+    recv = dst.raw_recv.remote("src", nbytes, reps + 1, 1 << 30)
+    starts = ray.get(src.raw_send.remote("dst", nbytes, reps + 1, 1 << 30))
+    done = ray.get(recv)
+    return statistics.median(d - s for s, d in list(zip(starts, done))[1:])
 
 
 def latency_table(num_requests: int) -> list[str]:

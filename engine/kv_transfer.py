@@ -70,31 +70,22 @@ def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int = CHUNK_BYT
     return [range(i, min(i + step, layout.num_layers)) for i in range(0, layout.num_layers, step)]
 
 
-def pack_blocks(
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], layers: range | None = None
-) -> torch.Tensor:
-    """Copy the blocks of the given layers (all by default) into one contiguous tensor."""
-    layers = layers if layers is not None else range(len(kv_caches))
-    k0 = kv_caches[0][0]
-    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
-    out = torch.empty((len(layers), 2, len(block_ids), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
-    for i, layer in enumerate(layers):
-        k, v = kv_caches[layer]
-        torch.index_select(k, 0, index, out=out[i, 0])
-        torch.index_select(v, 0, index, out=out[i, 1])
-    return out
+def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None = None) -> torch.Tensor:
+    """Copy the blocks of the given layers (all by default) into one contiguous tensor.
+
+    kv_cache: the engine's [num_layers, 2, num_blocks, block_size, Hkv, D] tensor.
+    """
+    src = kv_cache if layers is None else kv_cache[layers.start : layers.stop]
+    return src.index_select(2, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device))
 
 
-def unpack_blocks(kv_caches, block_ids: list[int], packed: torch.Tensor, layers: range | None = None) -> None:
-    """Write packed blocks (of the given layers, all by default) into the caches at `block_ids`."""
-    layers = layers if layers is not None else range(len(kv_caches))
-    k0 = kv_caches[0][0]
-    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
-    packed = packed.to(device=k0.device, dtype=k0.dtype)
-    for i, layer in enumerate(layers):
-        k, v = kv_caches[layer]
-        k.index_copy_(0, index, packed[i, 0])
-        v.index_copy_(0, index, packed[i, 1])
+def unpack_blocks(
+    kv_cache: torch.Tensor, block_ids: list[int], packed: torch.Tensor, layers: range | None = None
+) -> None:
+    """Write packed blocks (of the given layers, all by default) into the cache at `block_ids`."""
+    dst = kv_cache if layers is None else kv_cache[layers.start : layers.stop]
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    dst.index_copy_(2, index, packed.to(device=kv_cache.device, dtype=kv_cache.dtype))
 
 
 @dataclass

@@ -62,11 +62,11 @@ class ModelRunner:
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = head_dim_of(hf_config)
         self.num_blocks = self._num_blocks(max_model_len)
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(self.num_layers)
-        ]
+        # One tensor for every layer's K and V, so a KV transfer packs or unpacks all
+        # layers' blocks in one indexing op; each layer's caches are contiguous views.
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
 
     @property
     def bytes_per_block(self) -> int:

@@ -61,7 +61,7 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, params: SamplingParams, leas
             decode.finish_kv_pull(rid, ok=False)
             continue
         assert list(ticket.block_ids) == src and ticket.num_tokens == len(firsts[rid].prompt_token_ids)
-        unpack_blocks(decode.runner.kv_caches, blocks, pack_blocks(prefill.runner.kv_caches, src))
+        unpack_blocks(decode.runner.kv_cache, blocks, pack_blocks(prefill.runner.kv_cache, src))
         prefill.pins.end_read(rid)
         decode.finish_kv_pull(rid, ok=True)
         assert prefill.release_kv(rid)
