@@ -114,7 +114,10 @@ class ObjectStoreConnector(KVConnector):
             raise KVPullError(f"object-store pull of {ticket.request_id} failed: {e!r}") from e
         if packed is None:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
-        await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed)
+        try:
+            await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed)
+        except RuntimeError as e:  # e.g. a layout that does not fit this engine's cache
+            raise KVPullError(f"blocks of {ticket.request_id} do not fit here: {e}") from e
         return packed.numel() * packed.element_size()
 
 

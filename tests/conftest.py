@@ -19,6 +19,17 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def engine_args(smollm2_path):
+    """A small SmolLM2 engine (fp32, 48 MiB of KV) for tests that start Ray workers."""
+    return {
+        "model": str(smollm2_path),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 48 << 20,
+    }
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     from transformers import AutoModelForCausalLM
 

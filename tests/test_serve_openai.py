@@ -44,16 +44,6 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def engine_args(smollm2_path):
-    return {
-        "model": str(smollm2_path),
-        "dtype": "float32",
-        "max_model_len": 512,
-        "kv_cache_memory_bytes": 48 << 20,
-    }
-
-
-@pytest.fixture(scope="module")
 def offline(engine_args):
     llm = LLM(**engine_args)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
