@@ -159,7 +159,6 @@ class LLMEngine:
                 deadline=deadline,
                 sample_index=i,
                 group=group,
-                parent_id=request_id if params.n > 1 else None,
             )
             for i in range(params.n)
         ]

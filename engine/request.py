@@ -55,7 +55,6 @@ class Request:
     deadline: float | None = None  # monotonic seconds; earliest first under `deadline`
     sample_index: int = 0  # which of the group's n samples
     group: SampleGroup | None = None
-    parent_id: str | None = None  # the user's request id when n > 1
     extra_keys: tuple = ()  # salts the block hashes (e.g. adapter or cache salt)
     kv_lease: float | None = None  # prefill for a decode worker: pin blocks this long at finish
 

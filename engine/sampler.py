@@ -38,8 +38,7 @@ class Sampler:
         raw = logits
         params = [r.sampling_params for r in requests]
         logits = self._apply_penalties(logits, requests)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        if bool(greedy.all()):
+        if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, requests)

@@ -10,7 +10,6 @@ later (its full blocks usually come back from the prefix cache).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -64,7 +63,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._seq = itertools.count()
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
