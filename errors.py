@@ -20,6 +20,9 @@ class InvalidArgumentError(KvrayError, ValueError):
         self.allowed = allowed
         super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields intact
+        return type(self), (self.field, self.value, self.allowed)
+
 
 class UnknownModelError(InvalidArgumentError):
     """The `model` argument names no alias, local folder or reachable hub repository."""

@@ -36,9 +36,13 @@ class KVPullError(KvrayError):
 
 
 class KVSource:
-    """The prefill side: packs pinned blocks for a pull (any thread; pins guard them)."""
+    """The prefill side: packs pinned blocks for a pull (any thread; pins guard them).
 
-    def __init__(self, pins: PinTable, kv_cache: torch.Tensor, device: torch.device, layout: KVLayout):
+    A shard of a multi-shard worker serves `pieces` (layers x heads of given blocks): the
+    worker's driver holds the pin for the whole pull (`pins` is None on other shards).
+    """
+
+    def __init__(self, pins: PinTable | None, kv_cache: torch.Tensor, device: torch.device, layout: KVLayout):
         self.pins = pins
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, Hkv, D]
         self.device = device
@@ -65,6 +69,20 @@ class KVSource:
     def _export(self, request_id: str) -> torch.Tensor | None:
         blocks = self.begin(request_id)  # begin and end on one thread: a cancelled caller
         return None if blocks is None else self.pack(request_id, blocks).cpu()  # can't leak it
+
+    def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
+        """torch_dist, multi-shard pull: send one piece on the pair's data group (blocking)."""
+        packed = pack_blocks(self.kv_cache, blocks, layers, heads)
+        self.pair_groups[peer_id].data.send([packed], 0, tag).wait()
+        sent = packed.numel() * packed.element_size()
+        self.bytes_sent += sent
+        return sent
+
+    async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
+        """object_store, multi-shard pull: one piece as a Ray object."""
+        packed = await asyncio.to_thread(lambda: pack_blocks(self.kv_cache, blocks, layers, heads).cpu())
+        self.bytes_sent += packed.numel() * packed.element_size()
+        return packed
 
     async def join_pair(
         self, peer_id: str, host: str, port: int, key: str, backend: str, timeout_s: float
@@ -103,6 +121,20 @@ class KVConnector(ABC):
         """Copy the ticket's blocks into `dst_blocks` of `kv_cache` (the engine's
         [num_layers, 2, num_blocks, ...] tensor); returns bytes moved."""
 
+    @abstractmethod
+    async def pull_piece(
+        self,
+        source_id: str,
+        source,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        src: tuple[range, range],
+        dst: tuple[range, range],
+        kv_cache: torch.Tensor,
+    ) -> int:
+        """Multi-shard pull: copy layers x heads `src` of `src_blocks` from shard `source`
+        (held by its worker's driver for the pull) into `dst` of `dst_blocks` here."""
+
 
 class ObjectStoreConnector(KVConnector):
     async def pull(self, ticket, prefill, kv_cache, dst_blocks):
@@ -118,6 +150,16 @@ class ObjectStoreConnector(KVConnector):
             await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed)
         except RuntimeError as e:  # e.g. a layout that does not fit this engine's cache
             raise KVPullError(f"blocks of {ticket.request_id} do not fit here: {e}") from e
+        return packed.numel() * packed.element_size()
+
+    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache):
+        try:
+            packed = await asyncio.wait_for(
+                source.export_piece.remote(src_blocks, *src), self.config.pull_timeout_seconds
+            )
+            await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed, *dst)
+        except Exception as e:  # actor died, timed out, shapes do not fit
+            raise KVPullError(f"object-store piece from {source_id} failed: {e!r}") from e
         return packed.numel() * packed.element_size()
 
 
@@ -174,6 +216,26 @@ class TorchDistConnector(KVConnector):
         if moved == 0:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
         return moved
+
+    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache):
+        """The source is told by a Ray call to send; the piece comes on the pair's data group."""
+        (layers, heads), n = dst, len(dst_blocks)
+        shape = (len(layers), 2, n, kv_cache.shape[3], len(heads), kv_cache.shape[5])
+        buf = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+        timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
+        try:
+            groups = await self.group(source_id, source)
+            tag = next(self.tags)
+            async with self.pair_locks.setdefault(source_id, asyncio.Lock()):
+                sent = source.send_piece.remote(self.worker_id, tag, src_blocks, *src)
+                await asyncio.to_thread(lambda: groups.data.recv([buf], 1, tag).wait(timeout))
+                await sent
+            await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, buf, *dst)
+        except Exception as e:  # peer died mid-transfer, gloo timeout, ...
+            self.groups.pop(source_id, None)
+            self.stores.pop(source_id, None)
+            raise KVPullError(f"torch_dist piece from {source_id} failed: {e!r}") from e
+        return buf.numel() * buf.element_size()
 
 
 def encode_request(tag: int, request_id: str) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Where workers are made: one placement group per worker, the actor inside it."""
+"""Where workers are made: one placement group per worker (one bundle per tp x pp shard),
+the worker's driver actor in bundle 0; it starts the other shards in the other bundles."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from kvray.actors.worker import EngineWorker, Role
 from kvray.configs import DeploymentConfig, KVTransferConfig, PoolConfig
 
 
-def start_worker(
-    worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig, strategy: str = "PACK"
-):
-    """Start one engine worker in its own placement group; returns (handle, group)."""
+def start_worker(worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig):
+    """Start one engine worker in its own placement group; returns (handle, group).
+    `engine`: the EngineConfig arguments, with the pool's own overrides already applied."""
     bundle = {"CPU": pool.num_cpus}
     if pool.num_gpus:
         bundle["GPU"] = pool.num_gpus
-    pg = placement_group([bundle], strategy=strategy, name=f"kvray-{worker_id}")
+    world = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+    pg = placement_group([bundle] * world, strategy=pool.placement_strategy, name=f"kvray-{worker_id}")
     ray.get(pg.ready())
     actor = (
         ray.remote(EngineWorker)
@@ -28,7 +29,14 @@ def start_worker(
             max_concurrency=1000,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         )
-        .remote(worker_id, role, engine, kv.model_dump(), pool.torch_threads)
+        .remote(
+            worker_id,
+            role,
+            engine,
+            kv.model_dump(),
+            pool.torch_threads,
+            {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        )
     )
     return actor, pg
 
@@ -49,7 +57,8 @@ def start_pools(config: DeploymentConfig) -> dict[str, tuple[str, object, object
             pool = getattr(config, role)
             for i in range(pool.num_workers):
                 wid = f"{role}-{i}"
-                actor, pg = start_worker(wid, role, config.engine, pool, config.kv_transfer)
+                engine = {**config.engine, **pool.engine}
+                actor, pg = start_worker(wid, role, engine, pool, config.kv_transfer)
                 workers[wid] = (role, actor, pg)
         ray.get([actor.ready.remote() for _, actor, _ in workers.values()])
     except BaseException:

@@ -15,18 +15,19 @@ actor's event loop stays free for pulls, aborts and health checks.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
+import ray
 import torch
 
 from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
+from kvray.actors.shard_group import node_ip, pull_pieces, start_shards
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
-from kvray.engine.kv_transfer import KVTicket, prefill_params
+from kvray.engine.kv_transfer import KVTicket, plan_kv_pull, prefill_params
 
 Role = Literal["prefill", "decode", "mixed"]
 
@@ -55,6 +56,8 @@ class WorkerStats:
     pinned: int  # tickets whose blocks are still pinned
     kv_transfer_bytes: int  # bytes pulled in (decode) plus bytes sent out (prefill)
     kv_transfer_seconds: float  # time spent pulling (decode side)
+    # durations of the pulls finished since the previous stats() call (drained by it)
+    kv_pull_durations: list[float]
     kv_recomputes: int
     prefix_queries: int
     prefix_hits: int
@@ -69,21 +72,39 @@ class EngineWorker:
         engine_config: dict,
         kv_config: dict | None = None,
         torch_threads: int | None = None,
+        shard_resources: dict | None = None,
     ):
+        """`shard_resources` ({"num_cpus", "num_gpus"}): what each of the other shards of a
+        tp x pp > 1 worker reserves; they start in this actor's placement group."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.role = role
         self.kv_config = KVTransferConfig(**(kv_config or {}))
-        self.llm = AsyncLLM(EngineConfig(**engine_config))
+        config = EngineConfig(**engine_config)
+        host = node_ip()
+        self.shards: list = []  # ranks 1.. of this worker's group
+        shard = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.shards, shard = start_shards(
+                worker_id,
+                engine_config,
+                self.kv_config.model_dump(),
+                shard_resources or {},
+                torch_threads,
+                host,
+            )
+        self.llm = AsyncLLM(config, shard=shard)
         engine = self.llm.engine
         self.source = KVSource(engine.pins, engine.runner.kv_cache, engine.device, engine.kv_layout)
         backend = "nccl" if engine.device.type == "cuda" else "gloo"
-        host = _node_ip()
         self.connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
         self.pulled_bytes = 0
         self.pull_seconds = 0.0
+        self.pull_durations: list[float] = []  # drained by stats()
         self.pulling: dict[str, bool] = {}  # request id -> abort once its pull is done
+        self.holds: dict[str, asyncio.TimerHandle] = {}  # prefill: pins held for sharded pulls
+        self.peer_shards: dict[str, list] = {}  # prefill worker id -> its shard handles
 
     async def ready(self) -> str:
         return self.worker_id
@@ -126,7 +147,34 @@ class EngineWorker:
 
     async def release_kv(self, request_id: str) -> bool:
         """The decode side confirms its pull (or gives up): unpin the ticket's blocks."""
+        self._end_hold(request_id)
         return await self.llm.call(self.llm.engine.release_kv, request_id)
+
+    async def hold_kv(self, request_id: str) -> list[int] | None:
+        """A multi-shard pull is starting: keep the pin from expiring until `release_kv`
+        (or twice the pull timeout, should the decode side vanish). None: lease over."""
+        if request_id in self.holds:
+            return None
+        blocks = self.llm.engine.pins.begin_read(request_id)
+        if blocks is not None:
+            later = 2 * self.kv_config.pull_timeout_seconds
+            self.holds[request_id] = asyncio.get_running_loop().call_later(later, self._end_hold, request_id)
+        return blocks
+
+    def _end_hold(self, request_id: str) -> None:
+        timer = self.holds.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+            self.llm.engine.pins.end_read(request_id)
+
+    async def shard_handles(self) -> list:
+        return self.shards
+
+    async def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
+        return await asyncio.to_thread(self.source.send_piece, peer_id, tag, blocks, layers, heads)
+
+    async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
+        return await self.source.export_piece(blocks, layers, heads)
 
     async def export_kv(self, request_id: str) -> torch.Tensor | None:
         return await self.source.export_kv(request_id)
@@ -164,9 +212,14 @@ class EngineWorker:
         try:
             if ticket is None or prefill is None:
                 raise KVPullError(f"no ticket for {request_id}")
-            moved = await self.connector.pull(ticket, prefill, self.llm.engine.runner.kv_cache, blocks)
+            if ticket.layout.num_shards == 1 and self.llm.engine.kv_layout.num_shards == 1:
+                moved = await self.connector.pull(ticket, prefill, self.llm.engine.runner.kv_cache, blocks)
+            else:
+                moved = await self._pull_sharded(ticket, prefill, blocks)
             self.pulled_bytes += moved
-            self.pull_seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.pull_seconds += elapsed
+            self.pull_durations.append(elapsed)
             ok = True
         except KVPullError:
             pass  # recomputed below, counted by the engine
@@ -176,6 +229,36 @@ class EngineWorker:
                 prefill.release_kv.remote(request_id)
             if self.pulling.pop(request_id, False):  # aborted while its blocks were being written
                 self.llm.abort(request_id)
+
+    async def _pull_sharded(self, ticket: KVTicket, prefill, blocks: list[int]) -> int:
+        """Shard to shard: every decode shard receives exactly its layers x heads, each
+        from the prefill shard that holds them (heads re-sharded when tp differs)."""
+        src_blocks = await prefill.hold_kv.remote(ticket.request_id)
+        if src_blocks is None:
+            raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
+        peer = ticket.worker_id
+        if peer not in self.peer_shards:
+            self.peer_shards[peer] = await prefill.shard_handles.remote()
+        sources = [prefill, *self.peer_shards[peer]]
+        source_ids = [peer, *(f"{peer}/{r}" for r in range(1, len(sources)))]
+        src_layout, dst_layout = ticket.layout, self.llm.engine.kv_layout
+        by_rank: dict[int, list] = {}
+        for piece in plan_kv_pull(src_layout, dst_layout):
+            by_rank.setdefault(piece.dst_rank, []).append(piece)
+        args = (sources, source_ids)
+        tail = (src_layout, dst_layout, src_blocks, blocks)
+        kv_cache = self.llm.engine.runner.kv_cache
+        parts = [
+            pull_pieces(self.connector, kv_cache, *args, pieces, *tail)
+            if rank == 0
+            else self.shards[rank - 1].pull_pieces.remote(*args, pieces, *tail)
+            for rank, pieces in by_rank.items()
+        ]
+        results = await asyncio.gather(*parts, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise KVPullError(f"sharded pull of {ticket.request_id} failed: {r!r}")
+        return sum(results)
 
     # ---- mixed role and common ----------------------------------------------------------
 
@@ -198,6 +281,34 @@ class EngineWorker:
             return
         self.llm.abort(request_id)
 
+    async def generate_batch(
+        self, request_ids: list[str], prompts: list, params: list[SamplingParams], priorities: list[int]
+    ) -> list[RequestOutput]:
+        """The offline API's batch: every prompt validated before any is queued; the final
+        output of each, in order."""
+
+        def validate() -> None:
+            engine = self.llm.engine
+            for prompt, p in zip(prompts, params):
+                engine.validate(engine.tokenize(prompt)[1], p)
+
+        await self.llm.call(validate)
+        streams = [
+            await self.llm.add_request(rid, prompt, p, priority=prio)
+            for rid, prompt, p, prio in zip(request_ids, prompts, params, priorities)
+        ]
+
+        async def final(stream) -> RequestOutput:
+            out = None
+            async for out in self._stream(stream):  # noqa: B007 (keep the last)
+                pass
+            return out
+
+        return list(await asyncio.gather(*(final(s) for s in streams)))
+
+    async def kv_cache_stats(self):
+        return await self.llm.call(self.llm.engine.kv_cache_stats)
+
     async def model_info(self) -> dict:
         """What a front needs to validate prompts before sending them here."""
         e = self.llm.engine
@@ -206,6 +317,7 @@ class EngineWorker:
     async def stats(self) -> WorkerStats:
         def read() -> WorkerStats:
             e = self.llm.engine
+            durations, self.pull_durations = self.pull_durations, []
             kv = e.kv_cache_stats()
             return WorkerStats(
                 self.worker_id,
@@ -217,6 +329,7 @@ class EngineWorker:
                 len(e.pins),
                 self.pulled_bytes + self.source.bytes_sent,
                 self.pull_seconds,
+                durations,
                 e.num_kv_recomputes,
                 e.kv.prefix_queries,
                 e.kv.prefix_hits,
@@ -226,13 +339,7 @@ class EngineWorker:
         return await self.llm.call(read)
 
     async def shutdown(self) -> None:
-        self.llm.shutdown()
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return os.environ.get("KVRAY_HOST", "127.0.0.1")
+        self.llm.shutdown()  # its loop releases the shards' serve loops
+        for shard in self.shards:
+            ray.kill(shard)
+        self.shards = []

@@ -17,10 +17,17 @@ class _Strict(BaseModel):
 
 class PoolConfig(_Strict):
     num_workers: int = Field(1, ge=0)
-    num_cpus: float = Field(1.0, ge=0)  # per worker, reserved in its placement group
+    # per shard: a worker of tp x pp shards reserves one bundle of these per shard
+    num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     price_per_hour: float = Field(0.0, ge=0)  # USD per worker-hour, for kvray:request_cost_usd
+    # EngineConfig arguments for this pool only, over the deployment's `engine` (e.g. a
+    # prefill pool with tensor_parallel_size 2 in front of a decode pool with 1)
+    engine: dict = Field(default_factory=dict)
+    # how a worker's tp x pp shards (one bundle each) are placed: PACK prefers one node,
+    # STRICT_PACK requires it
+    placement_strategy: Literal["PACK", "STRICT_PACK"] = "PACK"
 
 
 class KVTransferConfig(_Strict):

@@ -149,6 +149,7 @@ class AsyncLLM:
                 # nothing could run (e.g. only KV pulls in flight): wait for a command
                 self._wake.wait(timeout=0.005)
                 self._wake.clear()
+        engine.shutdown()  # from this thread: never between a step's messages to the shards
 
     def _drain_commands(self) -> None:
         while True:

@@ -47,10 +47,5 @@ class EngineConfig:
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0, low_open=True)
         if self.scheduling_policy not in POLICIES:
             raise InvalidArgumentError("scheduling_policy", self.scheduling_policy, f"one of {POLICIES}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise InvalidArgumentError(
-                    name,
-                    getattr(self, name),
-                    "1 in a single-process engine (shard groups run on Ray workers)",
-                )
+        check_range("tensor_parallel_size", self.tensor_parallel_size, low=1)
+        check_range("pipeline_parallel_size", self.pipeline_parallel_size, low=1)

@@ -24,14 +24,36 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvray.models.layers import head_dim_of
+from kvray.models.parallel import ShardSpec
+
 
 @dataclass(frozen=True)
 class KVLayout:
+    """A worker's KV cache: the model's totals and how its shards cut them.
+
+    With tp = pp = 1 (one shard) the packed shapes below are that shard's whole cache;
+    a worker of several shards moves `KVPiece`s instead (`plan_kv_pull`).
+    """
+
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name, e.g. "float32"
+    num_heads: int = 0  # query heads (0: as many as KV heads); fixes the head partition
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def num_shards(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def shard(self, rank: int) -> tuple[range, range]:
+        """(layers, KV heads) of the model that shard `rank` holds."""
+        spec = ShardSpec(self.tp_size, self.pp_size, rank)
+        num_heads = self.num_heads or self.num_kv_heads
+        return spec.layers(self.num_layers), spec.kv_heads(num_heads, self.num_kv_heads)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -60,6 +82,61 @@ class KVTicket:
     lease_deadline: float  # time.time() after which the blocks may be reused
 
 
+def kv_layout_of(hf_config, spec: ShardSpec, block_size: int, dtype: torch.dtype) -> KVLayout:
+    return KVLayout(
+        hf_config.num_hidden_layers,
+        block_size,
+        hf_config.num_key_value_heads,
+        head_dim_of(hf_config),
+        str(dtype).removeprefix("torch."),
+        hf_config.num_attention_heads,
+        spec.tp_size,
+        spec.pp_size,
+    )
+
+
+@dataclass(frozen=True)
+class KVPiece:
+    """Layers x KV heads (model numbering) that decode shard `dst_rank` copies from
+    prefill shard `src_rank`."""
+
+    src_rank: int
+    dst_rank: int
+    layers: range
+    heads: range
+
+    def local(self, layout: KVLayout, rank: int) -> tuple[range, range]:
+        """The piece's layers and heads in shard `rank`'s own cache numbering."""
+        layers, heads = layout.shard(rank)
+        return _shift(self.layers, layers.start), _shift(self.heads, heads.start)
+
+
+def plan_kv_pull(src: KVLayout, dst: KVLayout) -> list[KVPiece]:
+    """Every piece a pull moves: each decode shard receives exactly its layers x heads,
+    each part from one prefill shard that holds it (the first, when KV heads are
+    replicated over tensor ranks). Equal tp and pp make it rank to rank."""
+    pieces = []
+    for d in range(dst.num_shards):
+        d_layers, d_heads = dst.shard(d)
+        taken: set[tuple[int, int, int, int]] = set()
+        for s in range(src.num_shards):
+            s_layers, s_heads = src.shard(s)
+            layers, heads = _overlap(d_layers, s_layers), _overlap(d_heads, s_heads)
+            key = (layers.start, layers.stop, heads.start, heads.stop)
+            if len(layers) and len(heads) and key not in taken:
+                taken.add(key)
+                pieces.append(KVPiece(s, d, layers, heads))
+    return pieces
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), max(min(a.stop, b.stop), max(a.start, b.start)))
+
+
+def _shift(r: range, by: int) -> range:
+    return range(r.start - by, r.stop - by)
+
+
 CHUNK_BYTES = 1 << 20  # target size of one message of a chunked transfer
 
 
@@ -70,21 +147,34 @@ def layer_chunks(layout: KVLayout, num_blocks: int, chunk_bytes: int = CHUNK_BYT
     return [range(i, min(i + step, layout.num_layers)) for i in range(0, layout.num_layers, step)]
 
 
-def pack_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None = None) -> torch.Tensor:
-    """Copy the blocks of the given layers (all by default) into one contiguous tensor.
+def _view(kv_cache: torch.Tensor, layers: range | None, heads: range | None) -> torch.Tensor:
+    view = kv_cache if layers is None else kv_cache[layers.start : layers.stop]
+    return view if heads is None else view[:, :, :, :, heads.start : heads.stop]
+
+
+def pack_blocks(
+    kv_cache: torch.Tensor, block_ids: list[int], layers: range | None = None, heads: range | None = None
+) -> torch.Tensor:
+    """Copy the blocks of the given layers and KV heads (all by default) into one
+    contiguous tensor.
 
     kv_cache: the engine's [num_layers, 2, num_blocks, block_size, Hkv, D] tensor.
     """
-    src = kv_cache if layers is None else kv_cache[layers.start : layers.stop]
-    return src.index_select(2, torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device))
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    return _view(kv_cache, layers, heads).index_select(2, index)
 
 
 def unpack_blocks(
-    kv_cache: torch.Tensor, block_ids: list[int], packed: torch.Tensor, layers: range | None = None
+    kv_cache: torch.Tensor,
+    block_ids: list[int],
+    packed: torch.Tensor,
+    layers: range | None = None,
+    heads: range | None = None,
 ) -> None:
-    """Write packed blocks (of the given layers, all by default) into the cache at `block_ids`."""
-    dst = kv_cache if layers is None else kv_cache[layers.start : layers.stop]
+    """Write packed blocks (of the given layers and heads, all by default) into the
+    cache at `block_ids`."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    dst = _view(kv_cache, layers, heads)
     dst.index_copy_(2, index, packed.to(device=kv_cache.device, dtype=kv_cache.dtype))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from collections.abc import Sequence
 
@@ -45,12 +46,31 @@ class LLM:
             **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
         )
         engine_kwargs = {k: kwargs[k] for k in ("hf_config", "tokenizer") if k in kwargs}
-        self.engine = LLMEngine(config, **engine_kwargs)
         self._ids = itertools.count()
+        self.engine: LLMEngine | None = None
+        self._group = None  # a sharded engine on Ray (tp x pp > 1)
+        if tensor_parallel_size * pipeline_parallel_size > 1:
+            # The shards are Ray actors; the engine package never imports Ray itself,
+            # so the group comes from the cluster layer, loaded only here.
+            self._group = importlib.import_module("kvray.cluster.offline").ShardedEngine(config)
+        else:
+            self.engine = LLMEngine(config, **engine_kwargs)
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._group.tokenizer if self._group is not None else self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the shard actors of a tensor/pipeline-parallel model (no-op otherwise)."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,
@@ -81,6 +101,9 @@ class LLM:
                     f"one SamplingParams or {len(prompts)} of them",
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if self._group is not None:
+            ids = [str(next(self._ids)) for _ in prompts]
+            return self._group.generate(ids, prompts, params, priorities)
         engine = self.engine
         prepared = []
         for prompt, p in zip(prompts, params):
@@ -131,4 +154,6 @@ class LLM:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def kv_cache_stats(self):
+        if self._group is not None:
+            return self._group.kv_cache_stats()
         return self.engine.kv_cache_stats()

@@ -15,15 +15,16 @@ import torch
 
 from kvray.engine.config import EngineConfig
 from kvray.engine.kv_cache_manager import KVCacheManager
-from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
-from kvray.engine.model_runner import ModelRunner, resolve_dtype
+from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, kv_layout_of
+from kvray.engine.model_runner import build_runner
 from kvray.engine.output_processor import OutputProcessor
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.request import Request, RequestStatus, SampleGroup
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Scheduler
 from kvray.errors import InvalidArgumentError
-from kvray.models.loader import build_model, load_config, load_tokenizer, resolve_model_path
+from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
+from kvray.models.parallel import ShardContext
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,30 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, hf_config=None, model_path=None, tokenizer=None):
-        """Build from `config.model`; tests may pass `hf_config` (random weights, no path)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        hf_config=None,
+        model_path=None,
+        tokenizer=None,
+        shard: ShardContext | None = None,
+    ):
+        """Build from `config.model`; tests may pass `hf_config` (random weights, no path).
+
+        Under tensor/pipeline parallelism this engine is the group's driver shard (rank 0
+        of `shard`): it schedules, and its runner sends each step to the other shards.
+        """
+        shard = shard or ShardContext()
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        if shard.spec.world_size != world:
+            raise InvalidArgumentError(
+                "tensor_parallel_size",
+                f"{config.tensor_parallel_size} x pipeline_parallel_size {config.pipeline_parallel_size}",
+                "1 x 1 for a single-process LLMEngine (shard groups run as Ray actors: "
+                "use LLM(...) or a kvray worker)",
+            )
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if hf_config is None:
             model_path = resolve_model_path(config.model)
@@ -51,9 +71,9 @@ class LLMEngine:
                 tokenizer = load_tokenizer(model_path)
         self.hf_config = hf_config
         self.tokenizer = tokenizer
-        self.max_model_len = self._max_model_len(hf_config)
-        model = build_model(hf_config, model_path, self.dtype, self.device, self.max_model_len)
-        self.runner = ModelRunner(config, model, hf_config, self.device, self.dtype, self.max_model_len)
+        self.runner = build_runner(config, hf_config, model_path, shard)
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -70,14 +90,9 @@ class LLMEngine:
         self.num_kv_recomputes = 0  # decode side: pulls that failed, prompts recomputed here
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), e.g. by adds
 
-    def _max_model_len(self, hf_config) -> int:
-        native = getattr(hf_config, "max_position_embeddings", None) or 2048
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return native
-        if wanted > native:
-            raise InvalidArgumentError("max_model_len", wanted, f"[1, {native}] (the model's context)")
-        return wanted
+    def shutdown(self) -> None:
+        """Release the group's other shards (their serve loops return)."""
+        self.runner.stop_shards()
 
     @staticmethod
     def _eos_ids(hf_config, model_path, tokenizer) -> frozenset[int]:
@@ -179,7 +194,7 @@ class LLMEngine:
                 pulling.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.abort([s.request_id for s in samples])
             for s in samples:
-                self.runner.sampler.forget(s.request_id)
+                self.runner.forget(s.request_id)
             finals.append(self.outputs.output(rid))
         return finals
 
@@ -210,7 +225,7 @@ class LLMEngine:
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             if req.finished:
-                self.runner.sampler.forget(req.request_id)
+                self.runner.forget(req.request_id)
                 if req.pinned_blocks is not None:
                     self.pins.add(
                         req.request_id,
@@ -233,10 +248,7 @@ class LLMEngine:
 
     @property
     def kv_layout(self) -> KVLayout:
-        r = self.runner
-        return KVLayout(
-            r.num_layers, r.block_size, r.num_kv_heads, r.head_dim, str(r.dtype).removeprefix("torch.")
-        )
+        return kv_layout_of(self.hf_config, self.runner.spec, self.config.block_size, self.dtype)
 
     def kv_ticket(self, worker_id: str, request_id: str) -> KVTicket | None:
         """The ticket of a finished prefill (None if its blocks are not pinned)."""

@@ -15,14 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from kvray.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from kvray.engine.cpu_allocator import keep_freed_memory_in_heap
-from kvray.engine.sampler import Sampler, SamplerOutput
+from kvray.engine.sampler import Sampler, SamplerOutput, SampleRow
 from kvray.engine.scheduler import SchedulerOutput
 from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionMetadata, get_backend
 from kvray.models.layers import head_dim_of
+from kvray.models.loader import build_model
+from kvray.models.parallel import ShardContext
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,13 +36,60 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def engine_device(config: EngineConfig) -> torch.device:
+    return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def build_runner(config: EngineConfig, hf_config, model_path, shard: ShardContext | None = None):
+    """This shard's model (weights from `model_path`, random when None) and its runner."""
+    device = engine_device(config)
+    dtype = resolve_dtype(config.dtype, device)
+    max_model_len = resolve_max_model_len(config, hf_config)
+    model = build_model(hf_config, model_path, dtype, device, max_model_len, shard)
+    return ModelRunner(config, model, hf_config, device, dtype, max_model_len, shard)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    native = getattr(hf_config, "max_position_embeddings", None) or 2048
+    wanted = config.max_model_len
+    if wanted is None:
+        return native
+    if wanted > native:
+        raise InvalidArgumentError("max_model_len", wanted, f"[1, {native}] (the model's context)")
+    return wanted
+
+
 @dataclass
 class StepResult:
     request_ids: list[str]  # requests that sampled a token, in batch order
     sampled: SamplerOutput
 
 
+@dataclass
+class StepPlan:
+    """One step's batch, built by the driver shard and run by every shard of the group."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]  # padded to one width
+    logit_rows: list[int]  # rows of the tokens that sample, one per SampleRow
+    samples: list[SampleRow]
+    forget: list[str]  # requests whose sampler state can go
+
+
 class ModelRunner:
+    """Runs steps of this shard's part of the model.
+
+    In a group of tp x pp shards (`shard.spec.world_size > 1`) the driver (rank 0) calls
+    `execute`, which broadcasts the step's plan once; every other shard waits in `serve`
+    and runs the same plan. Stage boundaries pass hidden states with send/recv; the last
+    stage computes logits (gathered over its tensor ranks) and its first tensor rank
+    samples and, under pipeline parallelism, sends the tokens back to the driver.
+    """
+
     def __init__(
         self,
         config: EngineConfig,
@@ -48,18 +98,24 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        shard: ShardContext | None = None,
     ):
         self.config = config
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.shard = shard or ShardContext()
+        self.spec = self.shard.spec
         self.block_size = config.block_size
         if device.type == "cpu":
             keep_freed_memory_in_heap()
         self.backend = get_backend(config.attention_backend, device)
         self.sampler = Sampler(hf_config.vocab_size)
-        self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads
+        self.hidden_size = hf_config.hidden_size
+        self.num_layers = len(model.layer_range)
+        self.kv_heads = self.spec.kv_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
+        self.num_kv_heads = len(self.kv_heads)
         self.head_dim = head_dim_of(hf_config)
         self.num_blocks = self._num_blocks(max_model_len)
         # One tensor for every layer's K and V, so a KV transfer packs or unpacks all
@@ -67,6 +123,7 @@ class ModelRunner:
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        self._forget: list[str] = []
 
     @property
     def bytes_per_block(self) -> int:
@@ -78,6 +135,10 @@ class ModelRunner:
         if budget is None:
             budget = DEFAULT_CPU_KV_BYTES if self.device.type != "cuda" else self._gpu_budget()
         num_blocks = budget // self.bytes_per_block
+        if self.spec.world_size > 1:  # one block table for the group: the smallest shard's count
+            count = torch.tensor([num_blocks], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.shard.cpu_group)
+            num_blocks = int(count.item())
         blocks_needed = -(-max_model_len // self.block_size)
         if num_blocks < blocks_needed:
             raise InvalidArgumentError(
@@ -94,10 +155,15 @@ class ModelRunner:
         used_by_others = total - free
         return max(int(total * self.config.gpu_memory_utilization) - used_by_others, 0)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's sampler state (with the next step's plan)."""
+        self._forget.append(request_id)
+
+    # ---- the driver -------------------------------------------------------------------
+
+    def plan(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepPlan:
         input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, logit_rows, sampling = [], [], [], []
+        query_lens, seq_lens, logit_rows, samples = [], [], [], []
         bs = self.block_size
         row = 0
         for i, req in enumerate(out.requests):
@@ -113,31 +179,96 @@ class ModelRunner:
             row += n
             if out.samples(i):
                 logit_rows.append(row - 1)
-                sampling.append(req)
+                samples.append(_sample_row(req))
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
+        forget, self._forget = self._forget, []
+        return StepPlan(
+            input_ids, positions, slots, query_lens, seq_lens, padded, logit_rows, samples, forget
+        )
+
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
+        plan = self.plan(out, block_tables)
+        if self.spec.world_size == 1:
+            return self.run(plan)
+        dist.broadcast_object_list([plan], src=0, group=self.shard.cpu_group)
+        result = self.run(plan)
+        if self.spec.sampler_rank != 0 and plan.samples:
+            box = [None]
+            dist.recv_object_list(box, src=self.spec.sampler_rank, group=self.shard.cpu_group)
+            result = box[0]
+        return result or StepResult([], SamplerOutput([], []))
+
+    def stop_shards(self) -> None:
+        """Driver: let every other shard's `serve` loop return."""
+        if self.spec.world_size > 1:
+            dist.broadcast_object_list([None], src=0, group=self.shard.cpu_group)
+
+    # ---- every shard ------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """A non-driver shard: run the driver's plans until it sends None."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.shard.cpu_group)
+            if box[0] is None:
+                return
+            result = self.run(box[0])
+            if result is not None and self.spec.rank == self.spec.sampler_rank and box[0].samples:
+                dist.send_object_list([result], dst=0, group=self.shard.cpu_group)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult | None:
+        """This shard's part of a step; the StepResult on the sampling rank, else None."""
         dev = self.device
+        spec = self.spec
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            query_lens=query_lens,
-            seq_lens_host=seq_lens,
-            block_size=bs,
+            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor([0, *_cumsum(plan.query_lens)], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(plan.block_tables, dtype=torch.int32, device=dev),
+            query_lens=plan.query_lens,
+            seq_lens_host=plan.seq_lens,
+            block_size=self.block_size,
         )
         self.backend.prepare(meta)
+        hidden = None
+        if not spec.is_first_stage:
+            hidden = torch.empty(len(plan.input_ids), self.hidden_size, dtype=self.dtype, device=dev)
+            dist.recv(hidden, src=spec.stage_peer(spec.pp_rank - 1))
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            torch.tensor(plan.input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(plan.positions, dtype=torch.int64, device=dev),
             self.kv_caches,
             self.backend,
             meta,
+            hidden,
         )
-        if not sampling:
+        if not spec.is_last_stage:
+            dist.send(hidden.contiguous(), dst=spec.stage_peer(spec.pp_rank + 1))
+            return None
+        if spec.rank == spec.sampler_rank:
+            for rid in plan.forget:
+                self.sampler.forget(rid)
+        if not plan.samples:
             return StepResult([], SamplerOutput([], []))
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        return StepResult([r.request_id for r in sampling], self.sampler(logits, sampling))
+        logits = self.model.compute_logits(hidden[torch.tensor(plan.logit_rows, device=dev)])
+        if spec.rank != spec.sampler_rank:
+            return None
+        return StepResult([r.request_id for r in plan.samples], self.sampler(logits, plan.samples))
+
+
+def _sample_row(req) -> SampleRow:
+    p = req.sampling_params
+    penalised = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return SampleRow(
+        req.request_id,
+        p,
+        req.sample_index,
+        req.num_output_tokens,
+        list(req.all_token_ids) if p.repetition_penalty != 1.0 else [],
+        list(req.output_token_ids) if penalised else [],
+    )
 
 
 def _cumsum(values: list[int]) -> list[int]:

@@ -14,7 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvray.engine.request import Request
+from kvray.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one request (it may run on another shard than the
+    scheduler: the last pipeline stage). Token lists travel only for penalties."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    sample_index: int
+    num_output_tokens: int
+    all_token_ids: list[int]  # for repetition_penalty, else empty
+    output_token_ids: list[int]  # for presence/frequency penalties, else empty
 
 
 @dataclass
@@ -32,7 +45,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRow]) -> SamplerOutput:
         """logits fp32 [B, V], row i belongs to requests[i]."""
         logits = logits[:, : self.vocab_size]
         raw = logits
@@ -45,7 +58,7 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, token_list, params))
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
         rows = [
             i
             for i, r in enumerate(requests)
@@ -69,7 +82,7 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]):
+    def _sample(self, logits: torch.Tensor, requests: list[SampleRow]):
         params = [r.sampling_params for r in requests]
         device = logits.device
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
@@ -88,7 +101,7 @@ class Sampler:
         greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
-    def _generator(self, r: Request, device: torch.device) -> torch.Generator:
+    def _generator(self, r: SampleRow, device: torch.device) -> torch.Generator:
         g = self.generators.get(r.request_id)
         if g is None:
             g = torch.Generator(device=device).manual_seed(r.sampling_params.seed + r.sample_index)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.models.parallel import ShardContext
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -28,15 +30,17 @@ class RMSNorm(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T (+ b) where W stacks named parts along the output dim, e.g. q|k|v."""
+    """Column-parallel y = x W^T (+ b): W stacks named parts along the output dim (q|k|v,
+    gate|up), each part holding the rows `parts[name]` of that Hugging Face tensor (all
+    of them on a single device, this rank's slice under tensor parallelism)."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, parts: dict[str, range], bias: bool = False):
         super().__init__()
-        self.offsets: dict[str, tuple[int, int]] = {}
+        self.offsets: dict[str, tuple[int, range]] = {}
         start = 0
-        for name, size in parts.items():
-            self.offsets[name] = (start, size)
-            start += size
+        for name, rows in parts.items():
+            self.offsets[name] = (start, rows)
+            start += len(rows)
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.zeros(start)) if bias else None
         self.weight.weight_loader = self._load
@@ -44,11 +48,53 @@ class PackedLinear(nn.Module):
             self.bias.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
-        start, size = self.offsets[part]
-        param.data[start : start + size].copy_(loaded)
+        start, rows = self.offsets[part]
+        param.data[start : start + len(rows)].copy_(loaded[rows.start : rows.stop])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tensor ranks of x_r W_r^T, + b once: each rank holds the input
+    columns `in_cols` of the HF weight and the partial products are all-reduced."""
+
+    def __init__(self, in_cols: range, out_features: int, bias: bool, shard: ShardContext):
+        super().__init__()
+        self.in_cols = in_cols
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(out_features, len(in_cols)))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
+        param.data.copy_(loaded[:, self.in_cols.start : self.in_cols.stop])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.shard.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows `rows` of the vocabulary; ids outside them look up zeros and the
+    ranks' results are all-reduced. Its weight doubles as a tied LM head's slice."""
+
+    def __init__(self, rows: range, hidden_size: int, shard: ShardContext):
+        super().__init__()
+        self.rows = rows
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(len(rows), hidden_size))
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
+        param.data.copy_(loaded[self.rows.start : self.rows.stop])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.rows.start) | (ids >= self.rows.stop)
+        x = F.embedding((ids - self.rows.start).masked_fill(outside, 0), self.weight)
+        return self.shard.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 
 def rope_inv_freq(config) -> torch.Tensor:

@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata
-from kvray.models.layers import PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from kvray.models.layers import (
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    head_dim_of,
+)
+from kvray.models.parallel import ShardContext
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -31,18 +40,23 @@ def layer_sliding_windows(config) -> list[int | None]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, sliding_window: int | None):
+    def __init__(self, config, sliding_window: int | None, shard: ShardContext):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
+        spec = shard.spec
+        total_heads, total_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d = head_dim_of(config)
+        q_heads, kv_heads = spec.q_heads(total_heads, total_kv), spec.kv_heads(total_heads, total_kv)
+        self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
+        self.scale = d**-0.5
         self.sliding_window = sliding_window
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
-        self.split = [q_size, kv_size, kv_size]
+        q_rows = range(q_heads.start * d, q_heads.stop * d)
+        kv_rows = range(kv_heads.start * d, kv_heads.stop * d)
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias)
+        self.o_proj = RowParallelLinear(
+            q_rows, config.hidden_size, getattr(config, "attention_bias", False), shard
+        )
+        self.split = [len(q_rows), len(kv_rows), len(kv_rows)]
 
     def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
@@ -55,12 +69,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, shard: ShardContext):
         super().__init__()
-        size = config.intermediate_size
+        cols = shard.spec.columns(config.intermediate_size)
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": cols, "up": cols}, bias)
+        self.down_proj = RowParallelLinear(cols, config.hidden_size, bias, shard)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -68,10 +82,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, sliding_window: int | None):
+    def __init__(self, config, sliding_window: int | None, shard: ShardContext):
         super().__init__()
-        self.self_attn = Attention(config, sliding_window)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, sliding_window, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -81,7 +95,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in, last-position logits out; `kv_caches[i]` is layer i's (k_cache, v_cache)."""
+    """Token ids in, hidden states out; `kv_caches[i]` is local layer i's (k_cache, v_cache).
+
+    Under pipeline parallelism this module holds the stage's layers only (`layer_range`
+    of the full model, still named `layers.0..`): the first stage embeds the tokens, a
+    later one starts from the previous stage's hidden states, and only the last stage
+    has the final norm and the LM head. Under tensor parallelism every layer holds its
+    rank's heads and columns (see `kvray.models.parallel`).
+    """
 
     # HF parameter name fragment -> (our fragment, packed part)
     packed = {
@@ -92,17 +113,23 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, shard: ShardContext | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        windows = layer_sliding_windows(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, w) for w in windows)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.shard = shard = shard or ShardContext()
+        spec = shard.spec
+        self.layer_range = spec.layers(config.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab = spec.vocab(config.vocab_size)
+        if spec.is_first_stage or (spec.is_last_stage and self.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(vocab, config.hidden_size, shard)
+        windows = layer_sliding_windows(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, windows[i], shard) for i in self.layer_range)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        if spec.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            if not self.tie_word_embeddings:
+                self.lm_head = VocabParallelEmbedding(vocab, config.hidden_size, shard)
 
     def forward(
         self,
@@ -111,36 +138,58 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
         meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, backend, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] (pre-norm) -> fp32 logits [B, vocab]."""
+        """hidden [B, hidden] (pre-norm) -> fp32 logits [B, vocab] (last stage; every
+        tensor rank of it takes part in the gather)."""
         hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
+        logits = F.linear(hidden, head.weight)
+        width = -(-self.config.vocab_size // self.shard.tp_size)
+        return self.shard.all_gather_last(logits, width)[:, : self.config.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into our parameters; returns the parameter names loaded."""
+        """Copy HF-named tensors (full, unsharded) into our parameters, each parameter
+        taking its shard; tensors of other stages are skipped. Returns the names loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+            name = self._local_name(hf_name.removeprefix("model."))
+            if name is None:
                 continue
             part = None
             for fragment, (ours, packed_part) in self.packed.items():
                 if f".{fragment}." in name:
                     name, part = name.replace(fragment, ours), packed_part
                     break
-            param = params[name]
-            if part is None:
+            param = params.get(name)
+            if param is None:  # held by another pipeline stage
+                continue
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
                 param.data.copy_(tensor)
             else:
-                param.weight_loader(param, tensor, part)
+                loader(param, tensor, part)
             loaded.add(name)
         return loaded
+
+    def _local_name(self, name: str) -> str | None:
+        """Our name for an HF tensor of this stage, or None when no stage needs it here."""
+        if "rotary_emb" in name:
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            i = int(index)
+            if i not in self.layer_range:
+                return None
+            return f"layers.{i - self.layer_range.start}.{rest}"
+        return name

@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from kvray.errors import UnknownModelError
 from kvray.models.fetch import ALIASES, fetch_alias
+from kvray.models.parallel import ShardContext
 from kvray.models.registry import model_class
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -61,11 +62,20 @@ def iter_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
-def build_model(config, path: Path | None, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Instantiate the architecture's class and load weights (random init when path is None)."""
+def build_model(
+    config,
+    path: Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    shard: ShardContext | None = None,
+):
+    """Instantiate the architecture's class (this shard's part of it) and load weights
+    (random init when path is None: the same full-model draw on every shard only when
+    seeds match, so sharded random models are for shapes, not for parity)."""
     cls = model_class(config)
     with torch.device(device):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions, shard)
     if path is not None:
         model.load_weights(iter_safetensors(path))
     else:

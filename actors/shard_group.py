@@ -1,0 +1,179 @@
+"""A worker's tensor/pipeline-parallel shards: the other `tp x pp - 1` actors next to the
+driver (the EngineWorker, rank 0), their process group, and their part of KV transfers.
+
+The driver hosts a TCPStore; every shard joins one torch.distributed world (NCCL on CUDA,
+gloo on CPU) with a gloo group beside it for the pickled step plans, and one
+tensor-parallel group per pipeline stage. Shards sit in the driver's placement group, one
+bundle each, so Ray places the whole worker together (PACK or STRICT_PACK).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import threading
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
+from kvray.configs import KVTransferConfig
+from kvray.engine import EngineConfig
+from kvray.engine.kv_transfer import KVLayout, KVPiece, kv_layout_of
+from kvray.engine.model_runner import build_runner
+from kvray.models.loader import load_config, resolve_model_path
+from kvray.models.parallel import ShardContext, ShardSpec
+
+GROUP_TIMEOUT_S = 600  # joining the group includes loading every shard's weights
+
+
+def init_shard_context(spec: ShardSpec, host: str, port: int, backend: str, store=None) -> ShardContext:
+    """Join the worker's process group as `spec.rank`; blocks until every shard has."""
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    if store is None:
+        store = dist.TCPStore(host, port, spec.world_size, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    tp_group = None
+    if spec.tp_size > 1:  # every rank makes every stage's group, in the same order
+        for stage in range(spec.pp_size):
+            group = dist.new_group([stage * spec.tp_size + i for i in range(spec.tp_size)])
+            if stage == spec.pp_rank:
+                tp_group = group
+    return ShardContext(spec, tp_group, cpu_group)
+
+
+def device_backend(config: EngineConfig) -> str:
+    wants_cuda = config.device == "cuda" or (config.device is None and torch.cuda.is_available())
+    return "nccl" if wants_cuda else "gloo"
+
+
+def start_shards(
+    worker_id: str,
+    engine_config: dict,
+    kv_config: dict,
+    resources: dict,
+    torch_threads: int | None,
+    host: str,
+) -> tuple[list, ShardContext]:
+    """Driver side: start ranks 1.. in the current placement group and join the group."""
+    config = EngineConfig(**engine_config)
+    spec = ShardSpec(config.tensor_parallel_size, config.pipeline_parallel_size, 0)
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    store = dist.TCPStore(host, 0, spec.world_size, True, timeout=timeout, wait_for_workers=False)
+    pg = ray.util.get_current_placement_group()
+    shards = []
+    for rank in range(1, spec.world_size):
+        strategy = None
+        if pg is not None:
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+        actor = (
+            ray.remote(ShardWorker)
+            .options(
+                name=f"kvray-{worker_id}-shard{rank}",
+                num_cpus=resources.get("num_cpus", 0),
+                num_gpus=resources.get("num_gpus", 0),
+                max_concurrency=100,
+                scheduling_strategy=strategy,
+            )
+            .remote(worker_id, engine_config, kv_config, rank, host, store.port, torch_threads)
+        )
+        shards.append(actor)
+    shard = init_shard_context(spec, host, store.port, device_backend(config), store)
+    shard.store = store  # kept alive while the group lives
+    return shards, shard
+
+
+class ShardWorker:
+    """Rank > 0 of a worker: its slice of the model and KV cache; runs the driver's plans."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine_config: dict,
+        kv_config: dict,
+        rank: int,
+        host: str,
+        port: int,
+        torch_threads: int | None,
+    ):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        config = EngineConfig(**engine_config)
+        torch.manual_seed(config.seed)
+        spec = ShardSpec(config.tensor_parallel_size, config.pipeline_parallel_size, rank)
+        shard = init_shard_context(spec, host, port, device_backend(config))
+        path = resolve_model_path(config.model)
+        hf_config = load_config(path)
+        self.runner = build_runner(config, hf_config, path, shard)
+        self.shard_id = f"{worker_id}/{rank}"
+        layout = kv_layout_of(hf_config, spec, config.block_size, self.runner.dtype)
+        self.source = KVSource(None, self.runner.kv_cache, self.runner.device, layout)
+        kv = KVTransferConfig(**kv_config)
+        backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
+        self.connector = CONNECTORS[kv.connector](self.shard_id, kv, host, backend)
+        self.thread = threading.Thread(target=self.runner.serve, name="kvray-shard", daemon=True)
+        self.thread.start()
+
+    async def ready(self) -> str:
+        return self.shard_id
+
+    # KV source side (this shard's slice of a prefill worker's cache)
+    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
+        await self.source.join_pair(
+            peer_id, host, port, key, backend, self.connector.config.pull_timeout_seconds
+        )
+
+    async def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
+        return await asyncio.to_thread(self.source.send_piece, peer_id, tag, blocks, layers, heads)
+
+    async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
+        return await self.source.export_piece(blocks, layers, heads)
+
+    # KV destination side (this shard's slice of a decode worker's cache)
+    async def pull_pieces(self, *args) -> int:
+        return await pull_pieces(self.connector, self.runner.kv_cache, *args)
+
+
+async def pull_pieces(
+    connector,
+    kv_cache: torch.Tensor,
+    sources: list,  # prefill shard handles by rank (rank 0: the prefill worker)
+    source_ids: list[str],
+    pieces: list[KVPiece],
+    src_layout: KVLayout,
+    dst_layout: KVLayout,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+) -> int:
+    """One decode shard's part of a pull: each piece from its prefill shard, the pieces
+    from different shards at once. Returns the bytes moved; raises KVPullError."""
+
+    async def one(piece: KVPiece) -> int:
+        src_layers, src_heads = piece.local(src_layout, piece.src_rank)
+        dst_layers, dst_heads = piece.local(dst_layout, piece.dst_rank)
+        return await connector.pull_piece(
+            source_ids[piece.src_rank],
+            sources[piece.src_rank],
+            src_blocks,
+            dst_blocks,
+            (src_layers, src_heads),
+            (dst_layers, dst_heads),
+            kv_cache,
+        )
+
+    results = await asyncio.gather(*(one(p) for p in pieces), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r if isinstance(r, KVPullError) else KVPullError(f"piece failed: {r!r}")
+    return sum(results)
+
+
+def node_ip() -> str:
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return os.environ.get("KVRAY_HOST", "127.0.0.1")
