@@ -28,6 +28,7 @@ from kvray.actors.shard_group import node_ip, pull_pieces, start_shards
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
 from kvray.engine.kv_transfer import KVTicket, plan_kv_pull, prefill_params
+from kvray.engine.outputs import RequestMetrics
 
 Role = Literal["prefill", "decode", "mixed"]
 
@@ -43,6 +44,7 @@ class PrefillResult:
     first_logprobs: tuple | None  # (logprob, rank, top) of the first token, when asked
     ticket: KVTicket | None  # None when the blocks could not be pinned
     num_cached_tokens: int
+    metrics: RequestMetrics | None = None  # the prefill engine's timings; its queue time counts
 
 
 @dataclass
@@ -143,6 +145,7 @@ class EngineWorker:
             first_logprobs,
             ticket,
             final.num_cached_tokens,
+            final.metrics,
         )
 
     async def release_kv(self, request_id: str) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvray.engine.detokenizer import IncrementalDetokenizer
-from kvray.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvray.engine.request import Request
 
 
@@ -84,6 +84,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=max(t.samples[0].num_cached_tokens, 0),
+            metrics=_metrics(t.samples),
         )
         if finished:
             del self.tracked[request_id]
@@ -97,3 +98,9 @@ class OutputProcessor:
     def samples_of(self, request_id: str) -> list[Request]:
         t = self.tracked.get(request_id)
         return t.samples if t else []
+
+
+def _metrics(samples: list[Request]) -> RequestMetrics:
+    """The user request's timings: its queue time ends when its first sample is scheduled."""
+    scheduled = [s.first_scheduled_time for s in samples if s.first_scheduled_time is not None]
+    return RequestMetrics(samples[0].arrival_time, min(scheduled, default=None))

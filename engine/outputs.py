@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -30,6 +30,22 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When the engine got and first scheduled a request (part of vLLM's RequestMetrics).
+    Monotonic seconds of the engine's own process: elsewhere only differences mean anything."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # None: still waiting for its first step
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to the first step that scheduled it (vLLM's queue time)."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -37,4 +53,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict = field(default_factory=dict)
+    metrics: RequestMetrics | None = None  # None where no engine made the output

@@ -62,6 +62,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache at first schedule
+    first_scheduled_time: float | None = None  # monotonic; its time in the queue ends here
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)

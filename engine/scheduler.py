@@ -11,6 +11,7 @@ later (its full blocks usually come back from the prefix cache).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -102,6 +103,10 @@ class Scheduler:
             i += 1
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        now = time.monotonic()
+        for req in out.requests:  # the first schedule ends its queue time (a preemption does not)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:

@@ -1,9 +1,10 @@
 """The Ray Serve app: an OpenAI-compatible FastAPI ingress in front of the Router.
 
 `build_app(config)` is a pure builder: it validates a dict (or a YAML path, or a shipped
-preset's name) into `ServeConfig` and binds the ingress deployment; nothing starts until
-Serve runs the app. The ingress replica then starts the worker pools (each worker in its
-own placement group) and the Router actor; they share its lifetime.
+preset's name) into `ServeConfig` and binds two deployments; nothing starts until Serve
+runs the app. The Router deployment (one replica, router/router_deployment.py) starts the
+worker pools (each worker in its own placement group), which share its lifetime; the
+ingress deployment (`num_replicas` replicas) sends every request through it.
 
 HTTP: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics. Handles: `generate(request)` returns the response body of an OpenAI request
@@ -27,13 +28,13 @@ import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
-from kvray.actors.launch import start_pools, stop_pools
-from kvray.configs import DeploymentConfig, ServeConfig
+from kvray.configs import ServeConfig
 from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from kvray.router.responses import ResponseBuilder, Usage
-from kvray.router.router import RouterActor
+from kvray.router.router_deployment import RouterDeployment
 from kvray.router.streams import all_or_none, merge, sse
 
 logger = logging.getLogger(__name__)
@@ -74,12 +75,14 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
     if isinstance(config, dict) and set(config) == {"config"}:
         config = config["config"]
     cfg = load_config(config)
+    router = RouterDeployment.options(name=f"{cfg.app_name}-router")
     ingress = OpenAIIngress.options(
         name=f"{cfg.app_name}-ingress",
+        num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_queued_requests + 16,  # past the limit we answer 503 ourselves
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(cfg.model_dump())
+    return ingress.bind(cfg.model_dump(), router.bind(cfg.model_dump()))
 
 
 # Serve pickles the ingress class by value, with the globals defined before it.
@@ -118,25 +121,14 @@ def _load_tokenizer(model: str):
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, config: dict):
+    async def __init__(self, config: dict, router: DeploymentHandle):
         self.config = ServeConfig(**config)
-        deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
-        self.workers = start_pools(deployment)
-        self.router = RouterActor.options(num_cpus=0, max_concurrency=1000).remote(
-            deployment.model_dump(),
-            [(wid, role, actor) for wid, (role, actor, _) in self.workers.items()],
-            self.config.model_name,
-        )
-        self.limits = ray.get(self.router.model_info.remote())
-        self.tokenizer = _load_tokenizer(deployment.engine.get("model", "smollm2-135m-instruct"))
+        self.router = router  # the one RouterDeployment replica, shared by every ingress replica
+        self.router_stream = router.options(stream=True)
+        self.limits = await router.model_info.remote()
+        self.tokenizer = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
         self.num_in_flight = 0
-
-    def __del__(self):
-        try:
-            ray.kill(self.router)
-            stop_pools(self.workers)
-        except Exception:
-            pass
+        self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
 
     # ---- HTTP ---------------------------------------------------------------------------
 
@@ -165,7 +157,8 @@ class OpenAIIngress:
         pools = await self.router.live_workers.remote()
         roles = ["prefill", "decode"] if self.config.disaggregated else ["mixed"]
         ok = all(pools.get(r) for r in roles)
-        return JSONResponse({"status": "ok" if ok else "degraded", "workers": pools}, 200 if ok else 503)
+        body = {"status": "ok" if ok else "degraded", "workers": pools, "replica": self.replica}
+        return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -299,8 +292,7 @@ class OpenAIIngress:
         """One router request's cumulative outputs; leaving early aborts it everywhere."""
         finished = False
         try:
-            async for ref in self.router.generate.remote(prompt, params, rid):
-                out = await ref
+            async for out in self.router_stream.generate.remote(prompt, params, rid):
                 finished = out.finished
                 yield out
         except ray.exceptions.RayTaskError as e:

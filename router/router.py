@@ -81,7 +81,7 @@ class Router:
         final = None
         try:
             async for out in gen:
-                self.metrics.on_output(timer, sum(len(c.token_ids) for c in out.outputs))
+                self.metrics.on_output(timer, out)
                 if out.finished:
                     final = out
                 yield out
@@ -113,7 +113,7 @@ class Router:
     async def metrics_text(self) -> bytes:
         """Prometheus text: the router's request metrics and every live worker's stats."""
         stats = await asyncio.gather(
-            *(w.handle.stats.remote() for w in self.workers.values()), return_exceptions=True
+            *(self._read_stats(w) for w in self.workers.values()), return_exceptions=True
         )
         return self.metrics.render([s for s in stats if not isinstance(s, BaseException)])
 
@@ -133,14 +133,15 @@ class Router:
         return pools
 
     async def worker_stats(self) -> list:
-        return await asyncio.gather(*(w.handle.stats.remote() for w in self.workers.values()))
+        return await asyncio.gather(*(self._read_stats(w) for w in self.workers.values()))
 
     async def check_health(self) -> None:
         """Ping every worker; remove the dead, refresh the others' load."""
 
         async def probe(w: _Worker):
             try:
-                s = await asyncio.wait_for(w.handle.stats.remote(), timeout=30)
+                # shielded: a late answer still reaches the metrics (its pulls are drained)
+                s = await asyncio.wait_for(asyncio.shield(self._read_stats(w)), timeout=30)
                 w.load.kv_usage, w.load.num_running = s.kv_usage, s.num_running
             except _DEAD:
                 self._remove(w, "failed its health check")
@@ -234,6 +235,13 @@ class Router:
 
     # ---- helpers --------------------------------------------------------------------------
 
+    async def _read_stats(self, worker: _Worker):
+        """A worker's WorkerStats. Every stats() call goes through here: it drains the
+        worker's finished KV pull durations, which the metrics observe once each."""
+        stats = await worker.handle.stats.remote()
+        self.metrics.on_worker_stats(stats)
+        return stats
+
     def _pick(self, role: str, choose, exclude: set[str]) -> _Worker:
         pool = [w for w in self.workers.values() if w.role == role and w.worker_id not in exclude]
         if not pool:
@@ -293,6 +301,9 @@ class Router:
             [first],
             finished=False,
             num_cached_tokens=handoff.num_cached_tokens,
+            # PrefillResult.metrics, the prefill engine's RequestMetrics (its queue time is
+            # the request's); None from a worker that does not send it
+            metrics=handoff.metrics,
         )
 
     def _prompt_input(self, prompt) -> dict:

@@ -29,5 +29,21 @@ def test_presets_validate_and_build(preset, disaggregated):
 def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="max_queued_requests"):
         ServeConfig(max_queued_requests=0)
+    with pytest.raises(ValueError, match="num_replicas"):
+        ServeConfig(num_replicas=0)
     with pytest.raises(ValueError, match="config"):
         load_config("no-such-preset")
+
+
+def test_gpu_preset_validates_with_tensor_parallel_pools():
+    from kvray.engine import EngineConfig
+
+    config = load_config("llama3-8b-gpu-pd")
+    assert config.disaggregated and config.kv_transfer.connector == "torch_dist"
+    assert config.engine["dtype"] == "bfloat16" and config.model_name == config.engine["model"]
+    for pool in (config.prefill, config.decode):
+        engine = EngineConfig(**{**config.engine, **pool.engine})  # what the pool's workers run
+        assert engine.tensor_parallel_size == 2 and engine.dtype == "bfloat16"
+        assert pool.num_gpus == 1 and pool.price_per_hour > 0  # one GPU per shard
+    assert config.num_replicas >= 1
+    assert build_app("llama3-8b-gpu-pd") is not None  # binds only: nothing loads the model

@@ -295,6 +295,9 @@ def test_metrics_count_what_was_sent(http):
     assert delta("kvray:time_to_first_token_seconds_count") == len(PROMPTS)
     assert delta("kvray:inter_token_latency_seconds_count") == 4 * len(PROMPTS)
     assert delta("kvray:e2e_request_latency_seconds_count") == len(PROMPTS)
+    assert delta("kvray:kv_transfer_seconds_count", role="decode", worker="decode-0") == len(PROMPTS)
+    assert delta("kvray:kv_transfer_seconds_sum", role="decode") > 0
+    assert delta("kvray:request_queue_time_seconds_count") == len(PROMPTS)  # the prefill's queue
     assert delta("kvray:request_generation_tokens_sum") == sent_gen
     assert _total(after, "kvray:kv_transfer_bytes_total", role="decode") > 0
     assert _total(after, "kvray:prefix_cache_queries_total", role="prefill") > 0
