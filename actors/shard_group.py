@@ -43,7 +43,7 @@ def init_shard_context(spec: ShardSpec, host: str, port: int, backend: str, stor
             group = dist.new_group([stage * spec.tp_size + i for i in range(spec.tp_size)])
             if stage == spec.pp_rank:
                 tp_group = group
-    return ShardContext(spec, tp_group, cpu_group)
+    return ShardContext(spec, tp_group, cpu_group, p2p_collectives=backend == "gloo")
 
 
 def device_backend(config: EngineConfig) -> str:
