@@ -11,19 +11,32 @@ from kvray.actors.worker import EngineWorker, Role
 from kvray.configs import DeploymentConfig, KVTransferConfig, PoolConfig
 
 
-def start_worker(worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig):
-    """Start one engine worker in its own placement group; returns (handle, group).
-    `engine`: the EngineConfig arguments, with the pool's own overrides already applied."""
+def worker_bundles(engine: dict, pool: PoolConfig) -> list[dict]:
+    """One placement-group bundle per tp x pp shard. `engine`: the EngineConfig arguments,
+    with the pool's own overrides already applied."""
     bundle = {"CPU": pool.num_cpus}
     if pool.num_gpus:
         bundle["GPU"] = pool.num_gpus
     world = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
-    pg = placement_group([bundle] * world, strategy=pool.placement_strategy, name=f"kvray-{worker_id}")
+    return [bundle] * world
+
+
+def start_worker(worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig):
+    """Start one engine worker in its own placement group; returns (handle, group)."""
+    bundles = worker_bundles(engine, pool)
+    pg = placement_group(bundles, strategy=pool.placement_strategy, name=f"kvray-{worker_id}")
     ray.get(pg.ready())
-    actor = (
+    return start_worker_in(pg, f"kvray-{worker_id}", worker_id, role, engine, pool, kv), pg
+
+
+def start_worker_in(
+    pg, name: str, worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig
+):
+    """The worker's driver actor in bundle 0 of `pg` (its other shards take the rest)."""
+    return (
         ray.remote(EngineWorker)
         .options(
-            name=f"kvray-{worker_id}",
+            name=name,
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,
             max_concurrency=1000,
@@ -38,7 +51,6 @@ def start_worker(worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv:
             {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
         )
     )
-    return actor, pg
 
 
 def stop_worker(actor, pg) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
 from kvray.actors.shard_group import node_ip, pull_pieces, start_shards
+from kvray.actors.signals import RecentMean, engine_load
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
 from kvray.engine.kv_transfer import KVTicket, plan_kv_pull, prefill_params
@@ -107,6 +108,8 @@ class EngineWorker:
         self.pulling: dict[str, bool] = {}  # request id -> abort once its pull is done
         self.holds: dict[str, asyncio.TimerHandle] = {}  # prefill: pins held for sharded pulls
         self.peer_shards: dict[str, list] = {}  # prefill worker id -> its shard handles
+        self.ttft = RecentMean()  # seconds from arrival here to the first token
+        self.itl = RecentMean()  # seconds between a stream's outputs, per token
 
     async def ready(self) -> str:
         return self.worker_id
@@ -114,6 +117,7 @@ class EngineWorker:
     # ---- prefill role -------------------------------------------------------------------
 
     async def prefill(self, request_id: str, prompt, params: SamplingParams) -> PrefillResult:
+        start = time.monotonic()
         stream = await self.llm.add_request(
             request_id, prompt, prefill_params(params), kv_lease=self.kv_config.lease_seconds
         )
@@ -125,6 +129,7 @@ class EngineWorker:
             if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
                 raise RuntimeError(f"prefill of {request_id} was aborted")
             first = final.outputs[0]
+            self.ttft.record(time.monotonic() - start)
             ticket = await self.llm.call(self.llm.engine.kv_ticket, self.worker_id, request_id)
             handed_off = True
         finally:
@@ -271,8 +276,17 @@ class EngineWorker:
             yield out
 
     async def _stream(self, stream) -> AsyncIterator[RequestOutput]:
+        start = last = time.monotonic()
+        tokens = None  # generated tokens at the previous output
         try:
             async for out in stream:
+                now, n = time.monotonic(), len(out.outputs[0].token_ids) if out.outputs else 0
+                if tokens is None and n and self.role == "mixed":
+                    self.ttft.record(now - start)
+                elif tokens is not None and n > tokens:
+                    self.itl.record((now - last) / (n - tokens))
+                if n:
+                    tokens, last = n, now
                 yield out
         finally:
             if not stream.finished:  # the caller went away: abort and free the blocks
@@ -311,6 +325,11 @@ class EngineWorker:
 
     async def kv_cache_stats(self):
         return await self.llm.call(self.llm.engine.kv_cache_stats)
+
+    async def load_signals(self) -> dict[str, float]:
+        """Autoscaling signals (actors/signals.py): queues now, latencies lately."""
+        signals = await self.llm.call(engine_load, self.llm.engine)
+        return {**signals, "ttft_seconds": self.ttft.mean(), "itl_seconds": self.itl.mean()}
 
     async def model_info(self) -> dict:
         """What a front needs to validate prompts before sending them here."""

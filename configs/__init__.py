@@ -1,6 +1,19 @@
 """kvray.configs: pydantic configuration models and shipped presets (data, no code)."""
 
-from kvray.configs.deployment import DeploymentConfig, KVTransferConfig, PoolConfig, RouterConfig
+from kvray.configs.deployment import (
+    DeploymentConfig,
+    KVTransferConfig,
+    PoolAutoscaling,
+    PoolConfig,
+    RouterConfig,
+)
 from kvray.configs.serve import ServeConfig
 
-__all__ = ["DeploymentConfig", "KVTransferConfig", "PoolConfig", "RouterConfig", "ServeConfig"]
+__all__ = [
+    "DeploymentConfig",
+    "KVTransferConfig",
+    "PoolAutoscaling",
+    "PoolConfig",
+    "RouterConfig",
+    "ServeConfig",
+]

@@ -8,11 +8,41 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class PoolAutoscaling(_Strict):
+    """A pool's worker count follows its LLM signals (Ray Serve autoscaling with kvray's
+    policy, `kvray.router.autoscaling`): each signal asks for enough workers to bring it
+    to its target, the pool takes the largest ask, and Serve applies the bounds and delays.
+
+    A prefill pool reads the prompt tokens waiting to be computed and the time its prompts
+    take to their first token; a decode (or mixed) pool reads KV-cache usage, running
+    requests and the inter-token latency. A target of None leaves that signal out.
+    """
+
+    min_workers: int = Field(1, ge=1)
+    max_workers: int = Field(4, ge=1)
+    upscale_delay_s: float = Field(10.0, ge=0)  # a signal must stay high this long
+    downscale_delay_s: float = Field(60.0, ge=0)  # ... or low this long
+    look_back_period_s: float = Field(30.0, gt=0)  # signals are averaged over this window
+    # prefill signals (per worker)
+    target_queued_prompt_tokens: int | None = Field(2048, ge=1)
+    target_ttft_seconds: float | None = Field(None, gt=0)
+    # decode signals (per worker)
+    target_kv_cache_usage: float | None = Field(0.8, gt=0, le=1)
+    target_running_requests: int | None = Field(32, ge=1)
+    target_itl_seconds: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolAutoscaling:
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers={self.max_workers} must be >= min_workers={self.min_workers}")
+        return self
 
 
 class PoolConfig(_Strict):
@@ -28,6 +58,9 @@ class PoolConfig(_Strict):
     # how a worker's tp x pp shards (one bundle each) are placed: PACK prefers one node,
     # STRICT_PACK requires it
     placement_strategy: Literal["PACK", "STRICT_PACK"] = "PACK"
+    # None: a fixed pool of num_workers; else served as a Serve deployment that scales
+    # between min_workers and max_workers on the pool's signals (starting at num_workers)
+    autoscaling: PoolAutoscaling | None = None
 
 
 class KVTransferConfig(_Strict):

@@ -2,9 +2,10 @@
 
 `build_app(config)` is a pure builder: it validates a dict (or a YAML path, or a shipped
 preset's name) into `ServeConfig` and binds two deployments; nothing starts until Serve
-runs the app. The Router deployment (one replica, router/router_deployment.py) starts the
-worker pools (each worker in its own placement group), which share its lifetime; the
-ingress deployment (`num_replicas` replicas) sends every request through it.
+runs the app. The pools are deployments of their own (router/pools.py: one replica per
+worker, fixed or autoscaled on LLM signals), whose workers join the Router deployment (one
+replica, router/router_deployment.py); the ingress deployment (`num_replicas` replicas)
+sends every request through the Router.
 
 HTTP: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics. Handles: `generate(request)` returns the response body of an OpenAI request
@@ -32,6 +33,7 @@ from ray.serve.handle import DeploymentHandle
 
 from kvray.configs import ServeConfig
 from kvray.errors import InvalidArgumentError, KvrayError
+from kvray.router.pools import pool_deployment
 from kvray.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from kvray.router.responses import ResponseBuilder, Usage
 from kvray.router.router_deployment import RouterDeployment
@@ -82,7 +84,10 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
         max_ongoing_requests=cfg.max_queued_requests + 16,  # past the limit we answer 503 ourselves
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(cfg.model_dump(), router.bind(cfg.model_dump()))
+    router_app = router.bind(cfg.model_dump())
+    roles = ["prefill", "decode"] if cfg.disaggregated else ["mixed"]
+    pools = [pool_deployment(cfg, role, router_app) for role in roles]
+    return ingress.bind(cfg.model_dump(), router_app, pools)
 
 
 # Serve pickles the ingress class by value, with the globals defined before it.
@@ -121,8 +126,9 @@ def _load_tokenizer(model: str):
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
-    async def __init__(self, config: dict, router: DeploymentHandle):
+    async def __init__(self, config: dict, router: DeploymentHandle, pools: list[DeploymentHandle]):
         self.config = ServeConfig(**config)
+        self.pools = pools  # bound here so Serve runs the pool deployments with the app
         self.router = router  # the one RouterDeployment replica, shared by every ingress replica
         self.router_stream = router.options(stream=True)
         self.limits = await router.model_info.remote()

@@ -62,6 +62,27 @@ class Router:
         self.aborted: set[str] = set()
         self.metrics = RouterMetrics(model_name or self.config.engine.get("model", "smollm2-135m-instruct"))
         self.timers: dict[str, RequestTimer] = {}
+        self.worker_counts: dict[str, int] = {}  # role -> ids handed out (next_worker_id)
+        self.workers_changed = asyncio.Event()
+
+    # ---- pool membership (Serve pool replicas join and leave) -----------------------------
+
+    def next_worker_id(self, role: str) -> str:
+        """A fresh worker id of the role (`decode-3`): ids are never reused, so a KV ticket
+        or a pair group never names two different workers."""
+        n = self.worker_counts.get(role, 0)
+        self.worker_counts[role] = n + 1
+        return f"{role}-{n}"
+
+    def add_worker(self, worker_id: str, role: str, handle) -> None:
+        self.workers[worker_id] = _Worker(worker_id, role, handle, WorkerLoad(worker_id))
+        self.workers_changed.set()
+        logger.info("kvray router: worker %s (%s) joined", worker_id, role)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Route nothing new to the worker (it is leaving; it drains what it holds)."""
+        if self.workers.pop(worker_id, None) is not None:
+            logger.info("kvray router: worker %s leaving", worker_id)
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -117,14 +138,24 @@ class Router:
         )
         return self.metrics.render([s for s in stats if not isinstance(s, BaseException)])
 
-    async def model_info(self) -> dict:
-        """max_model_len and vocab_size, as a worker's engine sees them."""
-        for w in list(self.workers.values()):
+    async def model_info(self, wait_seconds: float = 0.0) -> dict:
+        """max_model_len and vocab_size, as a worker's engine sees them (waiting up to
+        `wait_seconds` for a first worker to join)."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            for w in list(self.workers.values()):
+                try:
+                    return await w.handle.model_info.remote()
+                except _DEAD:
+                    self._remove(w, "died before answering")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoWorkerError("no live worker left")
+            self.workers_changed.clear()
             try:
-                return await w.handle.model_info.remote()
-            except _DEAD:
-                self._remove(w, "died before answering")
-        raise NoWorkerError("no live worker left")
+                await asyncio.wait_for(self.workers_changed.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass
 
     async def live_workers(self) -> dict[str, list[str]]:
         pools: dict[str, list[str]] = {}

@@ -1,0 +1,172 @@
+"""Pool autoscaling on LLM signals: the policy's arithmetic (hand-checked), and on local Ray
+a decode-heavy burst that grows only the decode pool, a prompt-heavy one that grows only
+the prefill pool, each shrinking back after idle.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvray.configs import PoolConfig
+from kvray.router.autoscaling import PoolPolicy, autoscaling_config, desired_workers
+
+TARGETS = {
+    "target_queued_prompt_tokens": 1000,
+    "target_ttft_seconds": 2.0,
+    "target_kv_cache_usage": 0.5,
+    "target_running_requests": 4,
+    "target_itl_seconds": None,
+}
+
+
+def test_prefill_asks_for_queued_tokens_over_target_and_scales_ttft_with_the_pool():
+    # 2 replicas holding 1500 + 1700 queued tokens: ceil(3200 / 1000) = 4
+    assert desired_workers("prefill", TARGETS, 2, {"queued_prompt_tokens": [1500, 1700]}) == 4
+    # mean TTFT 3 s against 2 s on 2 replicas: ceil(2 * 1.5) = 3; tokens ask 1: the larger wins
+    metrics = {"queued_prompt_tokens": [100, 0], "ttft_seconds": [2.0, 4.0]}
+    assert desired_workers("prefill", TARGETS, 2, metrics) == 3
+    # decode signals do not move a prefill pool
+    assert desired_workers("prefill", TARGETS, 1, {"running_requests": [50], "kv_cache_usage": [1.0]}) == 1
+
+
+def test_decode_asks_for_kv_usage_and_requests():
+    # KV usage mean 0.9 against 0.5 on 2 replicas: ceil(2 * 1.8) = 4; 6 requests / 4: 2
+    metrics = {"kv_cache_usage": [0.8, 1.0], "running_requests": [3, 3], "itl_seconds": [9.0, 9.0]}
+    assert desired_workers("decode", TARGETS, 2, metrics) == 4  # ITL has no target: ignored
+    # idle: every ask is 0
+    idle = {"kv_cache_usage": [0, 0, 0], "running_requests": [0, 0, 0]}
+    assert desired_workers("decode", TARGETS, 3, idle) == 0
+    assert desired_workers("decode", TARGETS, 3, {}) == 3  # no signals yet: keep the size
+
+
+def test_policy_never_asks_for_zero_and_keeps_its_state():
+    policy = PoolPolicy("decode", TARGETS)
+    ctx = SimpleNamespace(
+        aggregated_metrics={"running_requests": {"r1": 0.0}, "kv_cache_usage": {"r1": 0.0}},
+        current_num_replicas=1,
+        policy_state={"k": 1},
+    )
+    assert policy(ctx) == (1, {"k": 1})
+    ctx.aggregated_metrics = {"running_requests": {"r1": 9.0, "r2": 4.0}}
+    assert policy(ctx)[0] == 4  # ceil(13 / 4)
+
+
+def test_autoscaling_config_maps_the_pool_fields():
+    pool = PoolConfig(
+        num_workers=3,
+        autoscaling={"min_workers": 1, "max_workers": 2, "upscale_delay_s": 1, "downscale_delay_s": 5},
+    )
+    cfg = autoscaling_config("decode", pool)
+    assert (cfg["min_replicas"], cfg["max_replicas"], cfg["initial_replicas"]) == (1, 2, 2)
+    assert (cfg["upscale_delay_s"], cfg["downscale_delay_s"]) == (1, 5)
+    assert cfg["policy"]["policy_function"] == "kvray.router.autoscaling:PoolPolicy"
+    assert cfg["policy"]["policy_kwargs"]["targets"]["target_running_requests"] == 32
+    with pytest.raises(ValueError, match="max_workers"):
+        PoolConfig(autoscaling={"min_workers": 3, "max_workers": 2})
+
+
+# ---- end to end on local Ray -------------------------------------------------------------
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+LOW = {"upscale_delay_s": 0.5, "downscale_delay_s": 4.0, "look_back_period_s": 2.0, "max_workers": 2}
+NEVER = 10**9
+
+
+@pytest.fixture(scope="module")
+def local_serve(tmp_path_factory):
+    from kvray.cluster.local import ensure_ray
+
+    # replicas push their signals every 0.5 s instead of Serve's default 10 s
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    yield
+    serve.shutdown()
+    if started:
+        ray.shutdown()
+    os.environ.pop("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", None)
+
+
+def _deploy(engine_args, prefill_scaling: dict, decode_scaling: dict):
+    from kvray.router.app import build_app
+
+    pool = {"num_workers": 1, "num_cpus": 0.5, "torch_threads": 1}
+    config = {
+        "engine": {**engine_args, "max_num_seqs": 16},
+        "prefill": {**pool, "autoscaling": {**LOW, **prefill_scaling}},
+        "decode": {**pool, "autoscaling": {**LOW, **decode_scaling}},
+        "router": {"health_check_seconds": 0.5},
+    }
+    return serve.run(build_app(config), name="kvray", route_prefix="/")
+
+
+class ReplicaWatch:
+    """Samples the running replicas of both pools in the background; keeps the peaks."""
+
+    def __init__(self):
+        self.peak = {"prefill": 0, "decode": 0}
+        self.now = dict(self.peak)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            deployments = serve.status().applications["kvray"].deployments
+            for role in self.peak:
+                states = deployments[f"kvray-{role}"].replica_states
+                self.now[role] = states.get("RUNNING", 0)
+                self.peak[role] = max(self.peak[role], self.now[role])
+            time.sleep(0.25)
+
+    def wait_for(self, role: str, count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.now[role] == count:
+                return True
+            time.sleep(0.25)
+        return False
+
+
+def _burst(handle, prompts: list[str], max_tokens: int) -> list:
+    base = {"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    requests = [{**base, "prompt": p} for p in prompts]
+    return [r.result(timeout_s=300) for r in [handle.generate.remote(req) for req in requests]]
+
+
+@pytest.mark.slow
+def test_decode_burst_grows_the_decode_pool_only(local_serve, engine_args):
+    handle = _deploy(engine_args, {"target_queued_prompt_tokens": NEVER}, {"target_running_requests": 2})
+    watch = ReplicaWatch()
+    try:
+        bodies = _burst(handle, [f"Story number {i}:" for i in range(8)], max_tokens=160)
+        assert all(b["usage"]["completion_tokens"] == 160 for b in bodies)
+        assert watch.wait_for("decode", 2, timeout=60) or watch.peak["decode"] == 2
+        assert watch.wait_for("decode", 1, timeout=60), watch.now  # back to 1 after idle
+        assert watch.peak == {"prefill": 1, "decode": 2}
+    finally:
+        watch.stop.set()
+        serve.delete("kvray")
+
+
+@pytest.mark.slow
+def test_prompt_burst_grows_the_prefill_pool_only(local_serve, engine_args):
+    handle = _deploy(engine_args, {"target_queued_prompt_tokens": 300}, {"target_running_requests": NEVER})
+    watch = ReplicaWatch()
+    try:
+        long_prompt = "Paged attention stores keys and values in fixed-size blocks. " * 36  # ~430 tokens
+        bodies = _burst(handle, [f"{i}. {long_prompt}" for i in range(24)], max_tokens=2)
+        assert all(b["usage"]["completion_tokens"] == 2 for b in bodies)
+        assert watch.wait_for("prefill", 2, timeout=60) or watch.peak["prefill"] == 2
+        assert watch.wait_for("prefill", 1, timeout=60), watch.now
+        assert watch.peak == {"prefill": 2, "decode": 1}
+    finally:
+        watch.stop.set()
+        serve.delete("kvray")
