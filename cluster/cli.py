@@ -1,4 +1,4 @@
-"""The `kvray` command line: generate, serve, bench."""
+"""The `kvray` command line: generate, serve, deploy, bench."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from kvray.cluster.deploy import run_app
     from kvray.cluster.local import ensure_ray
-    from kvray.router.app import build_app, load_config
+    from kvray.router.app import load_config
 
     config = load_config(args.config)
     started = ensure_ray()
@@ -38,8 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        run_app(config, args.host, args.port)
         print(f"kvray: serving {config.model_name} at http://{args.host}:{args.port}/v1", flush=True)
         while not stop.wait(0.5):
             pass
@@ -53,7 +53,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"offline": "offline_throughput.py"}
+def _deploy(args: argparse.Namespace) -> int:
+    """Deploy the Serve app onto a running cluster, print its URL and leave it running."""
+    from kvray.cluster.deploy import deploy
+
+    url = deploy(args.config, args.address, args.host, args.port, args.proxy_location)
+    print(f"kvray: deployed at {url}", flush=True)
+    return 0
+
+
+BENCHMARKS = {"offline": "offline_throughput.py", "tp": "tensor_parallel.py"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -91,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.set_defaults(func=_serve)
+
+    dep = sub.add_parser("deploy", help="deploy the app onto a running Ray cluster and print its URL")
+    dep.add_argument("--config", required=True, help="a YAML file or a preset name (llama3-8b-gpu-pd)")
+    dep.add_argument("--address", default=None, help="the cluster (default: RAY_ADDRESS; `auto` on a node)")
+    dep.add_argument("--host", default="0.0.0.0", help="the proxies' interface (new Serve only)")
+    dep.add_argument("--port", type=int, default=8000)
+    dep.add_argument(
+        "--proxy-location",
+        choices=["HeadOnly", "EveryNode"],
+        default=None,
+        help="Serve proxies on the head only, or on every node with a replica (Serve's default)",
+    )
+    dep.set_defaults(func=_deploy)
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (e.g. `kvray bench offline`)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
