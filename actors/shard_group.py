@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import os
 import threading
 
@@ -27,6 +28,7 @@ from kvray.engine.model_runner import build_runner
 from kvray.models.loader import load_config, resolve_model_path
 from kvray.models.parallel import ShardContext, ShardSpec
 
+logger = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 600  # joining the group includes loading every shard's weights
 
 
@@ -36,11 +38,11 @@ def init_shard_context(spec: ShardSpec, host: str, port: int, backend: str, stor
     if store is None:
         store = dist.TCPStore(host, port, spec.world_size, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     tp_group = None
     if spec.tp_size > 1:  # every rank makes every stage's group, in the same order
         for stage in range(spec.pp_size):
-            group = dist.new_group([stage * spec.tp_size + i for i in range(spec.tp_size)])
+            group = dist.new_group([stage * spec.tp_size + i for i in range(spec.tp_size)], timeout=timeout)
             if stage == spec.pp_rank:
                 tp_group = group
     return ShardContext(spec, tp_group, cpu_group, p2p_collectives=backend == "gloo")
@@ -73,7 +75,6 @@ def start_shards(
         actor = (
             ray.remote(ShardWorker)
             .options(
-                name=f"kvray-{worker_id}-shard{rank}",
                 num_cpus=resources.get("num_cpus", 0),
                 num_gpus=resources.get("num_gpus", 0),
                 max_concurrency=100,
@@ -115,8 +116,15 @@ class ShardWorker:
         kv = KVTransferConfig(**kv_config)
         backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
         self.connector = CONNECTORS[kv.connector](self.shard_id, kv, host, backend)
-        self.thread = threading.Thread(target=self.runner.serve, name="kvray-shard", daemon=True)
+        self.thread = threading.Thread(target=self._serve, name="kvray-shard", daemon=True)
         self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.runner.serve()
+        except BaseException as e:  # the group is out of step: exit, so the driver's
+            logger.error("kvray shard %s: step failed (%r); exiting", self.shard_id, e)
+            os._exit(1)  # pending collective fails and its worker exits too
 
     async def ready(self) -> str:
         return self.shard_id

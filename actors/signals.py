@@ -28,7 +28,8 @@ class RecentMean:
 
 def engine_load(engine) -> dict[str, float]:
     """Queue signals of an engine (read on its loop thread): prompt tokens not yet
-    computed, requests admitted or waiting, and the share of KV blocks in use."""
+    computed, requests admitted or waiting, the share of KV blocks in use, and the KV
+    handoffs it holds (prefilled prompts pinned for a decode worker, pulls arriving)."""
     sched = engine.scheduler
     requests = [*sched.waiting, *sched.running]
     queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests)
@@ -36,4 +37,5 @@ def engine_load(engine) -> dict[str, float]:
         "queued_prompt_tokens": float(queued),
         "running_requests": float(len(requests)),
         "kv_cache_usage": float(engine.kv_cache_stats().usage),
+        "kv_handoffs": float(len(engine.pins) + len(engine.kv_pulls)),
     }

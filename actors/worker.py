@@ -15,6 +15,8 @@ actor's event loop stays free for pulls, aborts and health checks.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
 from kvray.engine.kv_transfer import KVTicket, plan_kv_pull, prefill_params
 from kvray.engine.outputs import RequestMetrics
 
+logger = logging.getLogger(__name__)
 Role = Literal["prefill", "decode", "mixed"]
 
 
@@ -97,7 +100,9 @@ class EngineWorker:
                 torch_threads,
                 host,
             )
-        self.llm = AsyncLLM(config, shard=shard)
+        # A shard group whose step failed has its collectives out of step: the worker
+        # exits, so the router, Serve and its shards all see it gone (crash-only).
+        self.llm = AsyncLLM(config, on_step_error=_exit_group if self.shards else None, shard=shard)
         engine = self.llm.engine
         self.source = KVSource(engine.pins, engine.runner.kv_cache, engine.device, engine.kv_layout)
         backend = "nccl" if engine.device.type == "cuda" else "gloo"
@@ -229,7 +234,7 @@ class EngineWorker:
             self.pull_seconds += elapsed
             self.pull_durations.append(elapsed)
             ok = True
-        except KVPullError:
+        except Exception:  # KVPullError, or the prefill worker went away (not a cancel)
             pass  # recomputed below, counted by the engine
         finally:
             await self.llm.call(self.llm.engine.finish_kv_pull, request_id, ok)
@@ -361,7 +366,12 @@ class EngineWorker:
         return await self.llm.call(read)
 
     async def shutdown(self) -> None:
-        self.llm.shutdown()  # its loop releases the shards' serve loops
+        await asyncio.to_thread(self.llm.shutdown)  # its loop releases the shards' serve loops
         for shard in self.shards:
             ray.kill(shard)
         self.shards = []
+
+
+def _exit_group(error: BaseException) -> None:
+    logger.error("kvray worker: a sharded step failed (%r); exiting so the group is replaced", error)
+    os._exit(1)

@@ -8,6 +8,7 @@ none is running (and stopped again by `close`).
 from __future__ import annotations
 
 import os
+import uuid
 
 import ray
 from ray.exceptions import RayTaskError
@@ -17,7 +18,8 @@ from kvray.cluster.local import ensure_ray
 from kvray.configs import KVTransferConfig, PoolConfig
 from kvray.engine.config import EngineConfig
 from kvray.engine.outputs import RequestOutput
-from kvray.models.loader import load_tokenizer, resolve_model_path
+from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
+from kvray.models.parallel import ShardSpec
 
 
 class ShardedEngine:
@@ -25,8 +27,10 @@ class ShardedEngine:
 
     def __init__(self, config: EngineConfig):
         world = config.tensor_parallel_size * config.pipeline_parallel_size
+        path = resolve_model_path(config.model)
+        _check_partition(config, load_config(path))  # here, not as an actor's failed start
         self.started_ray = ensure_ray()
-        self.tokenizer = load_tokenizer(resolve_model_path(config.model))
+        self.tokenizer = load_tokenizer(path)
         cpus = ray.cluster_resources().get("CPU", os.cpu_count() or 1)
         # a CPU machine with fewer cores than shards still runs them (threads share cores)
         per_shard = min(1.0, cpus / world)
@@ -36,8 +40,13 @@ class ShardedEngine:
             torch_threads=max(1, int((os.cpu_count() or 1) // world)),
         )
         engine = {f: getattr(config, f) for f in EngineConfig.__dataclass_fields__}
-        self.worker, self.pg = start_worker("offline", "mixed", engine, pool, KVTransferConfig())
-        ray.get(self.worker.ready.remote())
+        worker_id = f"offline-{uuid.uuid4().hex[:8]}"  # several LLMs may share a cluster
+        self.worker, self.pg = start_worker(worker_id, "mixed", engine, pool, KVTransferConfig())
+        try:
+            _unwrap(self.worker.ready.remote())
+        except BaseException:
+            self._stop()
+            raise
 
     def generate(self, request_ids, prompts, params, priorities) -> list[RequestOutput]:
         return _unwrap(self.worker.generate_batch.remote(request_ids, prompts, params, priorities))
@@ -48,10 +57,23 @@ class ShardedEngine:
     def close(self) -> None:
         try:
             ray.get(self.worker.shutdown.remote(), timeout=30)
+        except Exception:  # already gone
+            pass
         finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        try:
             stop_worker(self.worker, self.pg)
+        finally:
             if self.started_ray:
                 ray.shutdown()
+
+
+def _check_partition(config: EngineConfig, hf_config) -> None:
+    spec = ShardSpec(config.tensor_parallel_size, config.pipeline_parallel_size)
+    spec.check_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    spec.layers(hf_config.num_hidden_layers)
 
 
 def _unwrap(ref):

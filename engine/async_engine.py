@@ -49,8 +49,11 @@ class OutputStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, **engine_kwargs):
+    def __init__(self, config: EngineConfig, on_step_error=None, **engine_kwargs):
+        """`on_step_error(e)`: called on the loop thread after a failed step has failed its
+        requests (a sharded worker uses it to stop: its shards are out of step)."""
         self.engine = LLMEngine(config, **engine_kwargs)
+        self._on_step_error = on_step_error
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, OutputStream] = {}
@@ -143,6 +146,8 @@ class AsyncLLM:
                 outputs = engine.step()
             except Exception as e:  # a failed step fails the requests in it, not the loop
                 self._fail_all(e)
+                if self._on_step_error is not None:
+                    self._on_step_error(e)
                 continue
             self._publish(outputs)
             if engine.last_step is None or engine.last_step.num_batched_tokens == 0:

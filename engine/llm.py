@@ -50,6 +50,12 @@ class LLM:
         self.engine: LLMEngine | None = None
         self._group = None  # a sharded engine on Ray (tp x pp > 1)
         if tensor_parallel_size * pipeline_parallel_size > 1:
+            if engine_kwargs:
+                raise InvalidArgumentError(
+                    "hf_config" if "hf_config" in engine_kwargs else "tokenizer",
+                    "<object>",
+                    "only with tensor_parallel_size = pipeline_parallel_size = 1 (shards load `model`)",
+                )
             # The shards are Ray actors; the engine package never imports Ray itself,
             # so the group comes from the cluster layer, loaded only here.
             self._group = importlib.import_module("kvray.cluster.offline").ShardedEngine(config)
@@ -65,6 +71,12 @@ class LLM:
         if self._group is not None:
             self._group.close()
             self._group = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: Ray may be gone already
+            pass
 
     def __enter__(self) -> LLM:
         return self

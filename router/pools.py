@@ -3,7 +3,8 @@ autoscaler grows and shrinks the prefill and decode pools independently.
 
 A replica reserves its worker's placement group (`placement_group_bundles`, one bundle
 per tp x pp shard), starts the worker's driver actor in bundle 0 (which starts the other
-shards in the rest), and joins the Router under a fresh id. It reports the worker's load
+shards in the rest), and joins the Router (and joins it again, from its health check, should the Router
+restart). It reports the worker's load
 signals to the autoscaler (`record_autoscaling_stats`, read by
 `kvray.router.autoscaling.PoolPolicy`). When Serve stops it, the worker leaves the Router
 (nothing new is routed to it), finishes the requests it holds, then stops.
@@ -34,7 +35,10 @@ class PoolReplica:
         pool = getattr(cfg, role)
         self.role = role
         self.router = router
-        self.worker_id = await router.next_worker_id.remote(role)
+        self.leaving = False
+        # unique for the app's life, also across Router restarts (ids name KV tickets and
+        # the pair groups between workers)
+        self.worker_id = f"{role}-{serve.get_replica_context().replica_id.unique_id}"
         engine = {**cfg.engine, **pool.engine}
         pg = ray.util.get_current_placement_group()
         name = f"{cfg.app_name}-{self.worker_id}"
@@ -47,10 +51,19 @@ class PoolReplica:
 
     async def check_health(self) -> None:
         await self.worker.ready.remote()  # a dead worker makes Serve replace this replica
+        if self.leaving:
+            return
+        try:  # a restarted Router starts empty: join it again
+            if not await asyncio.wait_for(self.router.has_worker.remote(self.worker_id), ROUTER_CALL_S):
+                await self.router.add_worker.remote(self.worker_id, self.role, self.worker)
+        except Exception:  # the Router is restarting: try again at the next check
+            pass
 
     async def __del__(self):
-        """Leave the Router, let the requests the worker holds finish, stop it. (When the
-        whole app is deleted the Router may be gone already: then just drain.)"""
+        """Leave the Router, let the requests the worker holds finish (and its pinned
+        prefills be pulled or expire), stop it. (When the whole app is deleted the Router
+        may be gone already: then just drain.)"""
+        self.leaving = True
         try:
             await asyncio.wait_for(self.router.remove_worker.remote(self.worker_id), ROUTER_CALL_S)
         except Exception:
@@ -59,7 +72,7 @@ class PoolReplica:
         try:
             while time.monotonic() < deadline:
                 load = await self.worker.load_signals.remote()
-                if not load["running_requests"]:
+                if not load["running_requests"] and not load["kv_handoffs"]:
                     break
                 await asyncio.sleep(0.2)
             await asyncio.wait_for(self.worker.shutdown.remote(), ROUTER_CALL_S)

@@ -36,6 +36,9 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self):  # handle callers receive it through Ray with its fields
+        return _rebuild_api_error, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
@@ -155,3 +158,7 @@ def parse_request(body: object, chat: bool) -> CompletionRequest | ChatCompletio
         err = e.errors()[0]
         param = str(err["loc"][0]) if err["loc"] else None
         raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
+
+
+def _rebuild_api_error(status, message, type, param, code, headers) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)

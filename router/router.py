@@ -62,17 +62,9 @@ class Router:
         self.aborted: set[str] = set()
         self.metrics = RouterMetrics(model_name or self.config.engine.get("model", "smollm2-135m-instruct"))
         self.timers: dict[str, RequestTimer] = {}
-        self.worker_counts: dict[str, int] = {}  # role -> ids handed out (next_worker_id)
         self.workers_changed = asyncio.Event()
 
     # ---- pool membership (Serve pool replicas join and leave) -----------------------------
-
-    def next_worker_id(self, role: str) -> str:
-        """A fresh worker id of the role (`decode-3`): ids are never reused, so a KV ticket
-        or a pair group never names two different workers."""
-        n = self.worker_counts.get(role, 0)
-        self.worker_counts[role] = n + 1
-        return f"{role}-{n}"
 
     def add_worker(self, worker_id: str, role: str, handle) -> None:
         self.workers[worker_id] = _Worker(worker_id, role, handle, WorkerLoad(worker_id))

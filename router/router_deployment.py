@@ -32,11 +32,11 @@ class RouterDeployment:
         deployment = DeploymentConfig(**serve_config.model_dump(include=set(DeploymentConfig.model_fields)))
         self.router = Router(deployment.model_dump(), [], serve_config.model_name)
 
-    async def next_worker_id(self, role: str) -> str:
-        return self.router.next_worker_id(role)
-
     async def add_worker(self, worker_id: str, role: str, handle) -> None:
         self.router.add_worker(worker_id, role, handle)
+
+    async def has_worker(self, worker_id: str) -> bool:
+        return worker_id in self.router.workers
 
     async def remove_worker(self, worker_id: str) -> None:
         self.router.remove_worker(worker_id)

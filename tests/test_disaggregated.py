@@ -201,3 +201,22 @@ def test_prefill_worker_killed(local_ray, engine_args, offline):
         _assert_clean(cluster)
     finally:
         cluster.shutdown()
+
+
+def test_sharded_prefill_gone_before_the_pull_recomputes_on_the_decode_side(local_ray, engine_args, offline):
+    """A tp=2 prefill worker that vanishes after answering: the decode worker's pull fails,
+    it recomputes the prompt, gives the offline tokens, and stays in its pool."""
+    cluster = _deploy(engine_args, prefill_engine={"tensor_parallel_size": 2})
+    try:
+        prefill, decode = cluster.workers["prefill-0"][1], cluster.workers["decode-0"][1]
+        handoff = ray.get(prefill.prefill.remote("gone", PROMPTS[0], GREEDY))
+        assert handoff.ticket is not None
+        ray.kill(prefill)
+        final = None
+        for ref in decode.decode.remote("gone", GREEDY, handoff, prefill):
+            final = ray.get(ref)
+        assert final.outputs[0].token_ids == offline[0]
+        stats = ray.get(decode.stats.remote())
+        assert stats.kv_recomputes == 1 and stats.used_blocks == 0
+    finally:
+        cluster.shutdown()

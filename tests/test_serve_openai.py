@@ -103,8 +103,14 @@ def _total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
+def _worker_ids() -> dict[str, str]:
+    """role -> the one worker id of that pool (pool replicas name their workers)."""
+    pools = serve.get_deployment_handle("kvray-router", "kvray").live_workers.remote().result()
+    return {role: ids[0] for role, ids in pools.items()}
+
+
 def _worker_stats():
-    workers = [ray.get_actor(f"kvray-{wid}") for wid in ("prefill-0", "decode-0")]
+    workers = [ray.get_actor(f"kvray-{wid}") for wid in _worker_ids().values()]
     return ray.get([w.stats.remote() for w in workers])
 
 
@@ -295,14 +301,15 @@ def test_metrics_count_what_was_sent(http):
     assert delta("kvray:time_to_first_token_seconds_count") == len(PROMPTS)
     assert delta("kvray:inter_token_latency_seconds_count") == 4 * len(PROMPTS)
     assert delta("kvray:e2e_request_latency_seconds_count") == len(PROMPTS)
-    assert delta("kvray:kv_transfer_seconds_count", role="decode", worker="decode-0") == len(PROMPTS)
+    decode = _worker_ids()["decode"]
+    assert delta("kvray:kv_transfer_seconds_count", role="decode", worker=decode) == len(PROMPTS)
     assert delta("kvray:kv_transfer_seconds_sum", role="decode") > 0
     assert delta("kvray:request_queue_time_seconds_count") == len(PROMPTS)  # the prefill's queue
     assert delta("kvray:request_generation_tokens_sum") == sent_gen
     assert _total(after, "kvray:kv_transfer_bytes_total", role="decode") > 0
     assert _total(after, "kvray:prefix_cache_queries_total", role="prefill") > 0
     assert delta("kvray:request_cost_usd_sum") > 0
-    usage_labels = frozenset({("model_name", MODEL), ("role", "decode"), ("worker", "decode-0")})
+    usage_labels = frozenset({("model_name", MODEL), ("role", "decode"), ("worker", decode)})
     assert ("kvray:kv_cache_usage_perc", usage_labels) in after
 
 
