@@ -26,9 +26,14 @@ from kvray.configs import ServeConfig
 
 DRAIN_SECONDS = 60.0  # a leaving worker finishes its requests for at most this long
 ROUTER_CALL_S = 5.0
+HEALTH_CHECK_S = 2.0  # also how soon a worker re-joins a restarted Router
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=DRAIN_SECONDS + 30)
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    graceful_shutdown_timeout_s=DRAIN_SECONDS + 30,
+    health_check_period_s=HEALTH_CHECK_S,
+)
 class PoolReplica:
     async def __init__(self, role: str, config: dict, router: DeploymentHandle):
         cfg = ServeConfig(**config)

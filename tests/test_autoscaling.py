@@ -170,3 +170,37 @@ def test_prompt_burst_grows_the_prefill_pool_only(local_serve, engine_args):
     finally:
         watch.stop.set()
         serve.delete("kvray")
+
+
+@pytest.mark.slow
+def test_pool_workers_rejoin_a_restarted_router(local_serve, engine_args):
+    """Serve replaces a dead Router replica; the pool replicas join the new one from their
+    health checks, and requests flow again."""
+    from kvray.router.app import build_app
+
+    config = {
+        "engine": engine_args,
+        "disaggregated": False,
+        "mixed": {"num_workers": 1, "num_cpus": 0.5, "torch_threads": 1},
+    }
+    ingress = serve.run(build_app(config), name="kvray", route_prefix="/")
+    router = serve.get_deployment_handle("kvray-router", app_name="kvray")
+    request = {"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    try:
+        before = router.live_workers.remote().result(timeout_s=30)
+        assert ingress.generate.remote(request).result(timeout_s=120)["usage"]["completion_tokens"] == 3
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if "kvray-router" in actor["name"]:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        deadline = time.monotonic() + 90
+        after = {}
+        while time.monotonic() < deadline and after != before:
+            try:
+                after = router.live_workers.remote().result(timeout_s=5)
+            except Exception:  # the new replica is starting
+                pass
+            time.sleep(0.5)
+        assert after == before
+        assert ingress.generate.remote(request).result(timeout_s=120)["usage"]["completion_tokens"] == 3
+    finally:
+        serve.delete("kvray")

@@ -180,3 +180,30 @@ def test_async_engine_streams_and_aborts(smollm2_path):
         assert engine.engine.kv_cache_stats().used_blocks == 0
     finally:
         engine.shutdown()
+
+
+def test_failed_step_fails_its_requests_and_reports_to_the_hook(smollm2_path):
+    """A step that raises fails the requests in it (the loop keeps serving) and calls
+    `on_step_error` (a sharded worker stops there). The failure is a test double."""
+    seen = []
+    engine = AsyncLLM(
+        EngineConfig(model=str(smollm2_path), dtype="float32", max_model_len=256), on_step_error=seen.append
+    )
+    real = engine.engine.runner.execute
+    engine.engine.runner.execute = lambda *a: (_ for _ in ()).throw(RuntimeError("step broke"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="step broke"):
+            async for _ in engine.generate("Hello", greedy):
+                pass
+        engine.engine.runner.execute = real
+        return [o async for o in engine.generate("Hello", greedy)]
+
+    try:
+        outs = asyncio.run(main())
+        assert [str(e) for e in seen] == ["step broke"]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        assert engine.engine.kv_cache_stats().used_blocks == 0
+    finally:
+        engine.shutdown()
