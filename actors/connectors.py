@@ -17,6 +17,7 @@ import asyncio
 import datetime
 import itertools
 import threading
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -131,9 +132,12 @@ class KVConnector(ABC):
         src: tuple[range, range],
         dst: tuple[range, range],
         kv_cache: torch.Tensor,
+        start_by: float,
     ) -> int:
         """Multi-shard pull: copy layers x heads `src` of `src_blocks` from shard `source`
-        (held by its worker's driver for the pull) into `dst` of `dst_blocks` here."""
+        (held by its worker's driver for the pull) into `dst` of `dst_blocks` here. A
+        piece that cannot start reading by `start_by` (time.time()) fails instead: the
+        hold would end before a full pull timeout after it."""
 
 
 class ObjectStoreConnector(KVConnector):
@@ -152,12 +156,15 @@ class ObjectStoreConnector(KVConnector):
             raise KVPullError(f"blocks of {ticket.request_id} do not fit here: {e}") from e
         return packed.numel() * packed.element_size()
 
-    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache):
+    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
         try:
+            _check_start(start_by, source_id)
             packed = await asyncio.wait_for(
                 source.export_piece.remote(src_blocks, *src), self.config.pull_timeout_seconds
             )
             await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed, *dst)
+        except KVPullError:
+            raise
         except Exception as e:  # actor died, timed out, shapes do not fit
             raise KVPullError(f"object-store piece from {source_id} failed: {e!r}") from e
         return packed.numel() * packed.element_size()
@@ -217,7 +224,7 @@ class TorchDistConnector(KVConnector):
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
         return moved
 
-    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache):
+    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
         """The source is told by a Ray call to send; the piece comes on the pair's data group."""
         (layers, heads), n = dst, len(dst_blocks)
         shape = (len(layers), 2, n, kv_cache.shape[3], len(heads), kv_cache.shape[5])
@@ -227,15 +234,23 @@ class TorchDistConnector(KVConnector):
             groups = await self.group(source_id, source)
             tag = next(self.tags)
             async with self.pair_locks.setdefault(source_id, asyncio.Lock()):
+                _check_start(start_by, source_id)
                 sent = source.send_piece.remote(self.worker_id, tag, src_blocks, *src)
                 await asyncio.to_thread(lambda: groups.data.recv([buf], 1, tag).wait(timeout))
                 await sent
             await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, buf, *dst)
+        except KVPullError:
+            raise
         except Exception as e:  # peer died mid-transfer, gloo timeout, ...
             self.groups.pop(source_id, None)
             self.stores.pop(source_id, None)
             raise KVPullError(f"torch_dist piece from {source_id} failed: {e!r}") from e
         return buf.numel() * buf.element_size()
+
+
+def _check_start(start_by: float, source_id: str) -> None:
+    if time.time() > start_by:
+        raise KVPullError(f"piece from {source_id} queued past its hold; recomputing")
 
 
 def encode_request(tag: int, request_id: str) -> torch.Tensor:

@@ -156,9 +156,11 @@ async def pull_pieces(
     dst_layout: KVLayout,
     src_blocks: list[int],
     dst_blocks: list[int],
+    start_by: float,
 ) -> int:
     """One decode shard's part of a pull: each piece from its prefill shard, the pieces
-    from different shards at once. Returns the bytes moved; raises KVPullError."""
+    from different shards at once, none starting after `start_by` (see
+    KVConnector.pull_piece). Returns the bytes moved; raises KVPullError."""
 
     async def one(piece: KVPiece) -> int:
         src_layers, src_heads = piece.local(src_layout, piece.src_rank)
@@ -171,6 +173,7 @@ async def pull_pieces(
             (src_layers, src_heads),
             (dst_layers, dst_heads),
             kv_cache,
+            start_by,
         )
 
     results = await asyncio.gather(*(one(p) for p in pieces), return_exceptions=True)

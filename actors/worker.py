@@ -245,7 +245,10 @@ class EngineWorker:
 
     async def _pull_sharded(self, ticket: KVTicket, prefill, blocks: list[int]) -> int:
         """Shard to shard: every decode shard receives exactly its layers x heads, each
-        from the prefill shard that holds them (heads re-sharded when tp differs)."""
+        from the prefill shard that holds them (heads re-sharded when tp differs). The
+        hold lasts two pull timeouts: every piece starts within the first, so it ends
+        (done or timed out) inside the hold."""
+        start_by = time.time() + self.kv_config.pull_timeout_seconds
         src_blocks = await prefill.hold_kv.remote(ticket.request_id)
         if src_blocks is None:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
@@ -259,7 +262,7 @@ class EngineWorker:
         for piece in plan_kv_pull(src_layout, dst_layout):
             by_rank.setdefault(piece.dst_rank, []).append(piece)
         args = (sources, source_ids)
-        tail = (src_layout, dst_layout, src_blocks, blocks)
+        tail = (src_layout, dst_layout, src_blocks, blocks, start_by)
         kv_cache = self.llm.engine.runner.kv_cache
         parts = [
             pull_pieces(self.connector, kv_cache, *args, pieces, *tail)
