@@ -129,6 +129,9 @@ class ShardWorker:
     async def ready(self) -> str:
         return self.shard_id
 
+    async def bytes_sent(self) -> int:
+        return self.source.bytes_sent
+
     # KV source side (this shard's slice of a prefill worker's cache)
     async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
         await self.source.join_pair(

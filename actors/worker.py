@@ -345,6 +345,10 @@ class EngineWorker:
         return {"max_model_len": e.max_model_len, "vocab_size": e.hf_config.vocab_size}
 
     async def stats(self) -> WorkerStats:
+        shard_sent = 0  # KV bytes this worker's other shards sent to decode shards
+        if self.shards and self.role != "decode":
+            shard_sent = sum(await asyncio.gather(*(s.bytes_sent.remote() for s in self.shards)))
+
         def read() -> WorkerStats:
             e = self.llm.engine
             durations, self.pull_durations = self.pull_durations, []
@@ -357,7 +361,7 @@ class EngineWorker:
                 kv.usage,
                 kv.used_blocks,
                 len(e.pins),
-                self.pulled_bytes + self.source.bytes_sent,
+                self.pulled_bytes + self.source.bytes_sent + shard_sent,
                 self.pull_seconds,
                 durations,
                 e.num_kv_recomputes,

@@ -132,6 +132,8 @@ def test_unequal_tensor_parallel_pools_reshard_heads(
         assert got == offline[:6]  # fp32 SmolLM2 has no near-ties on these prompts (see test_parallel)
         stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
         assert stats["decode"].kv_transfer_bytes > 0 and stats["decode"].kv_recomputes == 0
+        # every byte pulled in was sent out by some prefill shard
+        assert stats["prefill"].kv_transfer_bytes == stats["decode"].kv_transfer_bytes
         _assert_clean(cluster)
     finally:
         cluster.shutdown()
