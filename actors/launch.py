@@ -14,7 +14,7 @@ from kvray.configs import DeploymentConfig, KVTransferConfig, PoolConfig
 def worker_bundles(engine: dict, pool: PoolConfig) -> list[dict]:
     """One placement-group bundle per tp x pp shard. `engine`: the EngineConfig arguments,
     with the pool's own overrides already applied."""
-    bundle = {"CPU": pool.num_cpus}
+    bundle = {"CPU": pool.num_cpus, **pool.resources}
     if pool.num_gpus:
         bundle["GPU"] = pool.num_gpus
     world = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)

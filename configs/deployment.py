@@ -50,6 +50,9 @@ class PoolConfig(_Strict):
     # per shard: a worker of tp x pp shards reserves one bundle of these per shard
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # custom Ray resources each shard's bundle also reserves, e.g. {"kvray_decode": 1} to
+    # keep the pool on the nodes (ray up node types, KubeRay groups) that offer them
+    resources: dict[str, float] = Field(default_factory=dict)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     price_per_hour: float = Field(0.0, ge=0)  # USD per worker-hour, for kvray:request_cost_usd
     # EngineConfig arguments for this pool only, over the deployment's `engine` (e.g. a

@@ -47,3 +47,13 @@ def test_gpu_preset_validates_with_tensor_parallel_pools():
         assert pool.num_gpus == 1 and pool.price_per_hour > 0  # one GPU per shard
     assert config.num_replicas >= 1
     assert build_app("llama3-8b-gpu-pd") is not None  # binds only: nothing loads the model
+
+
+def test_worker_bundles_one_per_shard_with_custom_resources():
+    from kvray.actors.launch import worker_bundles
+    from kvray.configs import PoolConfig
+
+    pool = PoolConfig(num_cpus=2, num_gpus=1, resources={"kvray_decode": 1})
+    bundles = worker_bundles({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, pool)
+    assert bundles == [{"CPU": 2, "GPU": 1, "kvray_decode": 1}] * 4
+    assert worker_bundles({}, PoolConfig(num_cpus=0.5)) == [{"CPU": 0.5}]
