@@ -30,6 +30,7 @@ from kvray.models.parallel import ShardContext, ShardSpec
 
 logger = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 600  # joining the group includes loading every shard's weights
+PLAN_WAIT_S = 365 * 24 * 3600  # how long an idle shard waits for the next step
 
 
 def init_shard_context(spec: ShardSpec, host: str, port: int, backend: str, store=None) -> ShardContext:
@@ -38,7 +39,9 @@ def init_shard_context(spec: ShardSpec, host: str, port: int, backend: str, stor
     if store is None:
         store = dist.TCPStore(host, port, spec.world_size, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    # Step plans wait as long as the worker stays idle: their own gloo group, no timeout
+    # in practice (the collectives inside a step keep the world's timeout).
+    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PLAN_WAIT_S))
     tp_group = None
     if spec.tp_size > 1:  # every rank makes every stage's group, in the same order
         for stage in range(spec.pp_size):

@@ -117,6 +117,8 @@ class EngineWorker:
         self.itl = RecentMean()  # seconds between a stream's outputs, per token
 
     async def ready(self) -> str:
+        """Health: this actor and every shard of its group are alive."""
+        await asyncio.gather(*(shard.ready.remote() for shard in self.shards))
         return self.worker_id
 
     # ---- prefill role -------------------------------------------------------------------

@@ -55,6 +55,8 @@ class ShardedEngine:
         return _unwrap(self.worker.kv_cache_stats.remote())
 
     def close(self) -> None:
+        if not ray.is_initialized():  # Ray is gone and the shards with it; calling Ray
+            return  # now would start a new cluster
         try:
             ray.get(self.worker.shutdown.remote(), timeout=30)
         except Exception:  # already gone

@@ -53,6 +53,17 @@ class PoolConfig(_Strict):
     # custom Ray resources each shard's bundle also reserves, e.g. {"kvray_decode": 1} to
     # keep the pool on the nodes (ray up node types, KubeRay groups) that offer them
     resources: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _custom_resources(self) -> PoolConfig:
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU", "memory") or amount < 0:
+                raise ValueError(
+                    f"resources.{name}={amount}: custom resources only, each >= 0 "
+                    "(CPUs and GPUs are num_cpus and num_gpus)"
+                )
+        return self
+
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     price_per_hour: float = Field(0.0, ge=0)  # USD per worker-hour, for kvray:request_cost_usd
     # EngineConfig arguments for this pool only, over the deployment's `engine` (e.g. a

@@ -145,9 +145,9 @@ class AsyncLLM:
             try:
                 outputs = engine.step()
             except Exception as e:  # a failed step fails the requests in it, not the loop
-                self._fail_all(e)
                 if self._on_step_error is not None:
-                    self._on_step_error(e)
+                    self._on_step_error(e)  # before the streams see it: a hook that stops
+                self._fail_all(e)  # the worker makes every caller see a dead worker
                 continue
             self._publish(outputs)
             if engine.last_step is None or engine.last_step.num_batched_tokens == 0:

@@ -41,6 +41,7 @@ class PoolReplica:
         self.role = role
         self.router = router
         self.leaving = False
+        self.membership = asyncio.Lock()  # joining (health checks) vs leaving (__del__)
         # unique for the app's life, also across Router restarts (ids name KV tickets and
         # the pair groups between workers)
         self.worker_id = f"{role}-{serve.get_replica_context().replica_id.unique_id}"
@@ -56,23 +57,25 @@ class PoolReplica:
 
     async def check_health(self) -> None:
         await self.worker.ready.remote()  # a dead worker makes Serve replace this replica
-        if self.leaving:
-            return
-        try:  # a restarted Router starts empty: join it again
-            if not await asyncio.wait_for(self.router.has_worker.remote(self.worker_id), ROUTER_CALL_S):
-                await self.router.add_worker.remote(self.worker_id, self.role, self.worker)
-        except Exception:  # the Router is restarting: try again at the next check
-            pass
+        async with self.membership:  # never re-join after __del__ has left
+            if self.leaving:
+                return
+            try:  # a restarted Router starts empty: join it again
+                if not await asyncio.wait_for(self.router.has_worker.remote(self.worker_id), ROUTER_CALL_S):
+                    await self.router.add_worker.remote(self.worker_id, self.role, self.worker)
+            except Exception:  # the Router is restarting: try again at the next check
+                pass
 
     async def __del__(self):
         """Leave the Router, let the requests the worker holds finish (and its pinned
         prefills be pulled or expire), stop it. (When the whole app is deleted the Router
         may be gone already: then just drain.)"""
-        self.leaving = True
-        try:
-            await asyncio.wait_for(self.router.remove_worker.remote(self.worker_id), ROUTER_CALL_S)
-        except Exception:
-            pass
+        async with self.membership:
+            self.leaving = True
+            try:
+                await asyncio.wait_for(self.router.remove_worker.remote(self.worker_id), ROUTER_CALL_S)
+            except Exception:
+                pass
         deadline = time.monotonic() + DRAIN_SECONDS
         try:
             while time.monotonic() < deadline:

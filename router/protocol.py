@@ -37,7 +37,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def __reduce__(self):  # handle callers receive it through Ray with its fields
-        return _rebuild_api_error, (self.status, self.message, self.type, self.param, self.code, self.headers)
+        args = (self.status, self.message, self.type, self.param, self.code, self.headers)
+        return _rebuild_api_error, (type(self), *args)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -160,5 +161,5 @@ def parse_request(body: object, chat: bool) -> CompletionRequest | ChatCompletio
         raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
 
 
-def _rebuild_api_error(status, message, type, param, code, headers) -> APIError:
-    return APIError(status, message, type=type, param=param, code=code, headers=headers)
+def _rebuild_api_error(cls, status, message, type, param, code, headers) -> APIError:
+    return cls(status, message, type=type, param=param, code=code, headers=headers)

@@ -11,6 +11,9 @@ not compared further.
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from conftest import hf_greedy
@@ -203,3 +206,40 @@ def test_sharded_llm_rejects_bad_input_and_keeps_serving(local_ray, engine_args)
         out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2))
         assert len(out[0].outputs[0].token_ids) == 2
         assert llm.kv_cache_stats().used_blocks == 0
+
+
+# ---- an idle group stays up ---------------------------------------------------------------
+
+
+def _idle_rank(rank: int, port: int, idle_s: float, out) -> None:
+    from kvray.actors import shard_group
+
+    shard_group.GROUP_TIMEOUT_S = 1  # the collectives' timeout, far below the idle spell
+    store = None
+    if rank == 0:
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, True)
+    shard = shard_group.init_shard_context(ShardSpec(2, 1, rank), "127.0.0.1", port, "gloo", store)
+    box = [None]
+    if rank == 0:
+        time.sleep(idle_s)  # a driver with no requests sends no plan
+        box = [{"step": 1}]
+    torch.distributed.broadcast_object_list(box, src=0, group=shard.cpu_group)
+    out.put((rank, box[0]))
+    torch.distributed.destroy_process_group()
+
+
+def test_shards_wait_for_the_next_plan_longer_than_the_group_timeout():
+    """A shard waits for the driver's next step plan however long the worker is idle
+    (the plan group has no practical timeout); a step's own collectives keep theirs."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = 29300 + os.getpid() % 500
+    procs = [ctx.Process(target=_idle_rank, args=(r, port, 3.0, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: {"step": 1}, 1: {"step": 1}}
