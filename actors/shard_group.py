@@ -24,7 +24,7 @@ from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
 from kvray.configs import KVTransferConfig
 from kvray.engine import EngineConfig
 from kvray.engine.kv_transfer import KVLayout, KVPiece, kv_layout_of
-from kvray.engine.model_runner import build_runner
+from kvray.engine.model_runner import build_runner, engine_device
 from kvray.models.loader import load_config, resolve_model_path
 from kvray.models.parallel import ShardContext, ShardSpec
 
@@ -52,8 +52,7 @@ def init_shard_context(spec: ShardSpec, host: str, port: int, backend: str, stor
 
 
 def device_backend(config: EngineConfig) -> str:
-    wants_cuda = config.device == "cuda" or (config.device is None and torch.cuda.is_available())
-    return "nccl" if wants_cuda else "gloo"
+    return "nccl" if engine_device(config).type == "cuda" else "gloo"
 
 
 def start_shards(
@@ -63,8 +62,9 @@ def start_shards(
     resources: dict,
     torch_threads: int | None,
     host: str,
-) -> tuple[list, ShardContext]:
-    """Driver side: start ranks 1.. in the current placement group and join the group."""
+) -> tuple[list, ShardContext, dist.TCPStore]:
+    """Driver side: start ranks 1.. in the current placement group and join the group.
+    Returns the shard actors, rank 0's context and the group's store (keep it alive)."""
     config = EngineConfig(**engine_config)
     spec = ShardSpec(config.tensor_parallel_size, config.pipeline_parallel_size, 0)
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
@@ -86,9 +86,7 @@ def start_shards(
             .remote(worker_id, engine_config, kv_config, rank, host, store.port, torch_threads)
         )
         shards.append(actor)
-    shard = init_shard_context(spec, host, store.port, device_backend(config), store)
-    shard.store = store  # kept alive while the group lives
-    return shards, shard
+    return shards, init_shard_context(spec, host, store.port, device_backend(config), store), store
 
 
 class ShardWorker:

@@ -92,7 +92,7 @@ class EngineWorker:
         self.shards: list = []  # ranks 1.. of this worker's group
         shard = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            self.shards, shard = start_shards(
+            self.shards, shard, self.group_store = start_shards(
                 worker_id,
                 engine_config,
                 self.kv_config.model_dump(),

@@ -130,7 +130,7 @@ def plan_kv_pull(src: KVLayout, dst: KVLayout) -> list[KVPiece]:
 
 
 def _overlap(a: range, b: range) -> range:
-    return range(max(a.start, b.start), max(min(a.stop, b.stop), max(a.start, b.start)))
+    return range(max(a.start, b.start), min(a.stop, b.stop))  # empty when they do not meet
 
 
 def _shift(r: range, by: int) -> range:

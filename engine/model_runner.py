@@ -114,8 +114,8 @@ class ModelRunner:
         self.sampler = Sampler(hf_config.vocab_size)
         self.hidden_size = hf_config.hidden_size
         self.num_layers = len(model.layer_range)
-        self.kv_heads = self.spec.kv_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
-        self.num_kv_heads = len(self.kv_heads)
+        heads = self.spec.kv_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
+        self.num_kv_heads = len(heads)
         self.head_dim = head_dim_of(hf_config)
         self.num_blocks = self._num_blocks(max_model_len)
         # One tensor for every layer's K and V, so a KV transfer packs or unpacks all
