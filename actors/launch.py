@@ -49,6 +49,7 @@ def start_worker_in(
             kv.model_dump(),
             pool.torch_threads,
             {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+            pool.price_per_hour,
         )
     )
 

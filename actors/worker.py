@@ -1,12 +1,17 @@
 """Engine workers: one Ray actor per engine, in the role `prefill`, `decode` or `mixed`.
 
-* prefill: runs the prompt (chunked, prefix-cached), samples the first token and
-  returns it with a KVTicket; the prompt's blocks stay pinned until the decode side
-  confirms its pull (`release_kv`) or the lease ends.
-* decode: takes (request, first token, ticket), reserves blocks, pulls the KV through its
-  connector, confirms, and continues the request in its continuous batch, streaming
-  outputs. A failed pull recomputes the prompt here (counted in `kv_recomputes`).
-* mixed: both phases in one engine, nothing moves (colocated mode).
+* prefill: runs the prompt (chunked, prefix-cached), samples the first token and returns
+  it with a KVTicket (`prefill`, a unary call); the prompt's blocks stay pinned until the
+  decode side confirms its pull (`release_kv`) or the lease ends.
+* decode: takes (request, first token, ticket) (`decode`), reserves blocks, pulls the KV
+  through its connector, and continues the request in its continuous batch. A failed pull
+  recomputes the prompt here (counted in `kv_recomputes`).
+* mixed: both phases in one engine (`generate`), nothing moves (colocated mode).
+
+Tokens never travel as one call or object per token: `decode` and `generate` return once
+the engine has accepted the request, and the request's deltas go to the front that owns
+it (`EngineRequest.destination`) on that front's `outputs` stream, one list per engine
+step for all of the front's requests here (actors/outbox.py).
 
 The worker is an async actor: engine steps run on the AsyncLLM's own thread, so the
 actor's event loop stays free for pulls, aborts and health checks.
@@ -19,55 +24,28 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Literal
 
 import ray
 import torch
 
-from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
-from kvray.actors.shard_group import node_ip, pull_pieces, start_shards
+from kvray.actors.connectors import CONNECTORS, KVSource
+from kvray.actors.kv_pull import KVPuller
+from kvray.actors.messages import Delta, EngineRequest, PrefillResult, WorkerStats
+from kvray.actors.outbox import Outbox
+from kvray.actors.shard_group import node_ip, start_shards
 from kvray.actors.signals import RecentMean, engine_load
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
-from kvray.engine.kv_transfer import KVTicket, plan_kv_pull, prefill_params
-from kvray.engine.outputs import RequestMetrics
+from kvray.engine.kv_transfer import prefill_params
+from kvray.errors import KvrayError
 
 logger = logging.getLogger(__name__)
 Role = Literal["prefill", "decode", "mixed"]
 
 
-@dataclass
-class PrefillResult:
-    """What a prefill hands to the router for the decode worker."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    first_token: int
-    first_logprobs: tuple | None  # (logprob, rank, top) of the first token, when asked
-    ticket: KVTicket | None  # None when the blocks could not be pinned
-    num_cached_tokens: int
-    metrics: RequestMetrics | None = None  # the prefill engine's timings; its queue time counts
-
-
-@dataclass
-class WorkerStats:
-    worker_id: str
-    role: str
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # used / total blocks
-    used_blocks: int
-    pinned: int  # tickets whose blocks are still pinned
-    kv_transfer_bytes: int  # bytes pulled in (decode) plus bytes sent out (prefill)
-    kv_transfer_seconds: float  # time spent pulling (decode side)
-    # durations of the pulls finished since the previous stats() call (drained by it)
-    kv_pull_durations: list[float]
-    kv_recomputes: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int = 0
+class WorkerLeavingError(KvrayError):
+    """The worker is draining before it stops: send the request to another one."""
 
 
 class EngineWorker:
@@ -79,9 +57,11 @@ class EngineWorker:
         kv_config: dict | None = None,
         torch_threads: int | None = None,
         shard_resources: dict | None = None,
+        price_per_hour: float = 0.0,
     ):
         """`shard_resources` ({"num_cpus", "num_gpus"}): what each of the other shards of a
-        tp x pp > 1 worker reserves; they start in this actor's placement group."""
+        tp x pp > 1 worker reserves; they start in this actor's placement group.
+        `price_per_hour` (USD): what a request costs is this times its share of the steps."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
@@ -106,27 +86,62 @@ class EngineWorker:
         engine = self.llm.engine
         self.source = KVSource(engine.pins, engine.runner.kv_cache, engine.device, engine.kv_layout)
         backend = "nccl" if engine.device.type == "cuda" else "gloo"
-        self.connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
-        self.pulled_bytes = 0
-        self.pull_seconds = 0.0
-        self.pull_durations: list[float] = []  # drained by stats()
+        connector = CONNECTORS[self.kv_config.connector](worker_id, self.kv_config, host, backend)
+        self.connector = connector
+        self.puller = KVPuller(connector, self.kv_config, engine.kv_layout, self.shards)
+        self.price_per_hour = price_per_hour
+        self.outbox: Outbox | None = None  # made on the actor's loop, at first use
+        self.accepting = True
         self.pulling: dict[str, bool] = {}  # request id -> abort once its pull is done
         self.holds: dict[str, asyncio.TimerHandle] = {}  # prefill: pins held for sharded pulls
-        self.peer_shards: dict[str, list] = {}  # prefill worker id -> its shard handles
-        self.ttft = RecentMean()  # seconds from arrival here to the first token
-        self.itl = RecentMean()  # seconds between a stream's outputs, per token
+        self.ttft = RecentMean()  # prefill: seconds from arrival here to the first token
 
     async def ready(self) -> str:
         """Health: this actor and every shard of its group are alive."""
         await asyncio.gather(*(shard.ready.remote() for shard in self.shards))
         return self.worker_id
 
+    async def drain(self) -> None:
+        """Take no new request (they get WorkerLeavingError); finish the ones held."""
+        self.accepting = False
+
+    # ---- the token path -----------------------------------------------------------------
+
+    async def outputs(self, destination: str) -> AsyncIterator[list[Delta]]:
+        """The stream of every delta for the front `destination`, one list per step.
+        Call with `.options(num_returns="streaming")`; the front cancels it when it goes,
+        and the requests it still had here are aborted."""
+        outbox = self._outbox()
+        try:
+            async for batch in outbox.stream(destination):
+                yield batch
+        finally:
+            for rid in outbox.close(destination):
+                await self.abort(rid)
+
+    def _outbox(self) -> Outbox:
+        if self.outbox is None:
+            self.outbox = Outbox(asyncio.get_running_loop(), self.price_per_hour)
+        return self.outbox
+
+    def _admit(self, req: EngineRequest) -> Outbox:
+        if not self.accepting:
+            raise WorkerLeavingError(f"worker {self.worker_id} is draining")
+        outbox = self._outbox()
+        outbox.register(req.request_id, req.destination)
+        return outbox
+
     # ---- prefill role -------------------------------------------------------------------
 
-    async def prefill(self, request_id: str, prompt, params: SamplingParams) -> PrefillResult:
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """Run the prompt and sample its first token; the blocks stay pinned for a pull."""
+        if not self.accepting:
+            raise WorkerLeavingError(f"worker {self.worker_id} is draining")
         start = time.monotonic()
+        rid = req.request_id
+        prompt = {"prompt_token_ids": req.prompt_token_ids}
         stream = await self.llm.add_request(
-            request_id, prompt, prefill_params(params), kv_lease=self.kv_config.lease_seconds
+            rid, prompt, prefill_params(req.params), kv_lease=self.kv_config.lease_seconds
         )
         final = None
         handed_off = False
@@ -134,30 +149,30 @@ class EngineWorker:
             async for out in stream:
                 final = out
             if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
-                raise RuntimeError(f"prefill of {request_id} was aborted")
-            first = final.outputs[0]
+                raise RuntimeError(f"prefill of {rid} was aborted")
             self.ttft.record(time.monotonic() - start)
-            ticket = await self.llm.call(self.llm.engine.kv_ticket, self.worker_id, request_id)
+            ticket = await self.llm.call(self.llm.engine.kv_ticket, self.worker_id, rid)
             handed_off = True
         finally:
             if not handed_off:  # cancelled (the client left): stop it and let any pin go
-                self.llm.abort(request_id)
-                asyncio.ensure_future(self.llm.call(self.llm.engine.release_kv, request_id))
+                self.llm.abort(rid)
+                asyncio.ensure_future(self.llm.call(self.llm.engine.release_kv, rid))
+        first = final.outputs[0]
         first_logprobs = None
         if first.logprobs:
             entry = first.logprobs[0]
             lp = entry[first.token_ids[0]]
             top = [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank)]
-            first_logprobs = (lp.logprob, lp.rank, top[: params.logprobs])
+            first_logprobs = (lp.logprob, lp.rank, top[: req.params.logprobs])
+        metrics = final.metrics
         return PrefillResult(
-            request_id,
-            final.prompt,
-            final.prompt_token_ids,
+            rid,
             first.token_ids[0],
             first_logprobs,
             ticket,
             final.num_cached_tokens,
-            final.metrics,
+            queue_seconds=metrics.time_in_queue if metrics is not None else None,
+            cost_usd=self.price_per_hour / 3600.0 * (metrics.step_seconds if metrics is not None else 0.0),
         )
 
     async def release_kv(self, request_id: str) -> bool:
@@ -199,108 +214,53 @@ class EngineWorker:
 
     # ---- decode role --------------------------------------------------------------------
 
-    async def decode(
-        self, request_id: str, params: SamplingParams, handoff: PrefillResult, prefill=None
-    ) -> AsyncIterator[RequestOutput]:
-        prompt = {"prompt": handoff.prompt, "prompt_token_ids": handoff.prompt_token_ids}
-        stream, blocks = await self.llm.add_prefilled_request(
-            request_id, prompt, params, handoff.first_token, handoff.first_logprobs
-        )
-        if blocks is not None:
-            # shielded: a pull cut off midway would break the pair group and leave the
-            # blocks half written; a cancelled caller aborts the request once it is done
-            pull = asyncio.ensure_future(self._pull(handoff.ticket, prefill, request_id, blocks))
-            self.pulling[request_id] = False
-            try:
-                await asyncio.shield(pull)
-            except asyncio.CancelledError:
-                self.pulling[request_id] = True
-                raise
-        elif handoff.ticket is not None and prefill is not None:
-            prefill.release_kv.remote(request_id)  # nothing to pull: let the pin go now
-        async for out in self._stream(stream):
-            yield out
-
-    async def _pull(self, ticket: KVTicket | None, prefill, request_id: str, blocks: list[int]) -> None:
-        ok = False
-        start = time.perf_counter()
+    async def decode(self, req: EngineRequest, handoff: PrefillResult, prefill=None) -> None:
+        """Continue a prefilled request here. Returns once it is accepted: its first
+        token goes out at once (under the same stop-string rules as the rest), then the
+        KV is pulled (or recomputed) and the request joins the batch."""
+        outbox = self._admit(req)
+        rid = req.request_id
         try:
-            if ticket is None or prefill is None:
-                raise KVPullError(f"no ticket for {request_id}")
-            if ticket.layout.num_shards == 1 and self.llm.engine.kv_layout.num_shards == 1:
-                moved = await self.connector.pull(ticket, prefill, self.llm.engine.runner.kv_cache, blocks)
-            else:
-                moved = await self._pull_sharded(ticket, prefill, blocks)
-            self.pulled_bytes += moved
-            elapsed = time.perf_counter() - start
-            self.pull_seconds += elapsed
-            self.pull_durations.append(elapsed)
-            ok = True
-        except Exception:  # KVPullError, or the prefill worker went away (not a cancel)
-            pass  # recomputed below, counted by the engine
-        finally:
-            await self.llm.call(self.llm.engine.finish_kv_pull, request_id, ok)
-            if ticket is not None and prefill is not None:
-                prefill.release_kv.remote(request_id)
-            if self.pulling.pop(request_id, False):  # aborted while its blocks were being written
-                self.llm.abort(request_id)
+            _, blocks = await self.llm.add_prefilled_request(
+                rid,
+                {"prompt_token_ids": req.prompt_token_ids},
+                req.params,
+                handoff.first_token,
+                handoff.first_logprobs,
+                sink=outbox,
+            )
+        except BaseException:
+            outbox.unregister(rid)
+            raise
+        if blocks is not None:
+            self.pulling[rid] = False
+            asyncio.ensure_future(self._pull(handoff, prefill, rid, blocks))
+        elif handoff.ticket is not None and prefill is not None:
+            prefill.release_kv.remote(rid)  # nothing to pull: let the pin go now
 
-    async def _pull_sharded(self, ticket: KVTicket, prefill, blocks: list[int]) -> int:
-        """Shard to shard: every decode shard receives exactly its layers x heads, each
-        from the prefill shard that holds them (heads re-sharded when tp differs). The
-        hold lasts two pull timeouts: every piece starts within the first, so it ends
-        (done or timed out) inside the hold."""
-        start_by = time.time() + self.kv_config.pull_timeout_seconds
-        src_blocks = await prefill.hold_kv.remote(ticket.request_id)
-        if src_blocks is None:
-            raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
-        peer = ticket.worker_id
-        if peer not in self.peer_shards:
-            self.peer_shards[peer] = await prefill.shard_handles.remote()
-        sources = [prefill, *self.peer_shards[peer]]
-        source_ids = [peer, *(f"{peer}/{r}" for r in range(1, len(sources)))]
-        src_layout, dst_layout = ticket.layout, self.llm.engine.kv_layout
-        by_rank: dict[int, list] = {}
-        for piece in plan_kv_pull(src_layout, dst_layout):
-            by_rank.setdefault(piece.dst_rank, []).append(piece)
-        args = (sources, source_ids)
-        tail = (src_layout, dst_layout, src_blocks, blocks, start_by)
-        kv_cache = self.llm.engine.runner.kv_cache
-        parts = [
-            pull_pieces(self.connector, kv_cache, *args, pieces, *tail)
-            if rank == 0
-            else self.shards[rank - 1].pull_pieces.remote(*args, pieces, *tail)
-            for rank, pieces in by_rank.items()
-        ]
-        results = await asyncio.gather(*parts, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise KVPullError(f"sharded pull of {ticket.request_id} failed: {r!r}")
-        return sum(results)
+    async def _pull(self, handoff: PrefillResult, prefill, rid: str, blocks: list[int]) -> None:
+        """Runs to its end even if the request is aborted meanwhile: a pull cut off midway
+        would break the pair group and leave the blocks half written."""
+        ok = False
+        try:
+            ok = await self.puller.pull(handoff.ticket, prefill, self.llm.engine.runner.kv_cache, blocks)
+        finally:
+            await self.llm.call(self.llm.engine.finish_kv_pull, rid, ok)
+            if self.pulling.pop(rid, False):  # aborted while its blocks were being written
+                self.llm.abort(rid)
 
     # ---- mixed role and common ----------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        stream = await self.llm.add_request(request_id, prompt, params)
-        async for out in self._stream(stream):
-            yield out
-
-    async def _stream(self, stream) -> AsyncIterator[RequestOutput]:
-        start = last = time.monotonic()
-        tokens = None  # generated tokens at the previous output
+    async def generate(self, req: EngineRequest) -> None:
+        """Run a whole request here (colocated); returns once it is accepted."""
+        outbox = self._admit(req)
         try:
-            async for out in stream:
-                now, n = time.monotonic(), len(out.outputs[0].token_ids) if out.outputs else 0
-                if tokens is None and n and self.role == "mixed":
-                    self.ttft.record(now - start)
-                elif tokens is not None and n > tokens:
-                    self.itl.record((now - last) / (n - tokens))
-                if n:
-                    tokens, last = n, now
-                yield out
-        finally:
-            if not stream.finished:  # the caller went away: abort and free the blocks
-                self.llm.abort(stream.request_id)
+            await self.llm.add_request(
+                req.request_id, {"prompt_token_ids": req.prompt_token_ids}, req.params, sink=outbox
+            )
+        except BaseException:
+            outbox.unregister(req.request_id)
+            raise
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.pulling:  # its blocks are being written: abort after the pull
@@ -327,8 +287,12 @@ class EngineWorker:
 
         async def final(stream) -> RequestOutput:
             out = None
-            async for out in self._stream(stream):  # noqa: B007 (keep the last)
-                pass
+            try:
+                async for out in stream:  # noqa: B007 (keep the last)
+                    pass
+            finally:
+                if not stream.finished:  # the caller went away: abort and free the blocks
+                    self.llm.abort(stream.request_id)
             return out
 
         return list(await asyncio.gather(*(final(s) for s in streams)))
@@ -339,7 +303,9 @@ class EngineWorker:
     async def load_signals(self) -> dict[str, float]:
         """Autoscaling signals (actors/signals.py): queues now, latencies lately."""
         signals = await self.llm.call(engine_load, self.llm.engine)
-        return {**signals, "ttft_seconds": self.ttft.mean(), "itl_seconds": self.itl.mean()}
+        outbox = self._outbox()
+        ttft = self.ttft if self.role == "prefill" else outbox.ttft
+        return {**signals, "ttft_seconds": ttft.mean(), "itl_seconds": outbox.itl.mean()}
 
     async def model_info(self) -> dict:
         """What a front needs to validate prompts before sending them here."""
@@ -353,23 +319,23 @@ class EngineWorker:
 
         def read() -> WorkerStats:
             e = self.llm.engine
-            durations, self.pull_durations = self.pull_durations, []
             kv = e.kv_cache_stats()
             return WorkerStats(
-                self.worker_id,
-                self.role,
-                len(e.scheduler.running),
-                len(e.scheduler.waiting),
-                kv.usage,
-                kv.used_blocks,
-                len(e.pins),
-                self.pulled_bytes + self.source.bytes_sent + shard_sent,
-                self.pull_seconds,
-                durations,
-                e.num_kv_recomputes,
-                e.kv.prefix_queries,
-                e.kv.prefix_hits,
-                e.scheduler.num_preemptions,
+                worker_id=self.worker_id,
+                role=self.role,
+                num_running=len(e.scheduler.running),
+                num_waiting=len(e.scheduler.waiting),
+                kv_usage=kv.usage,
+                used_blocks=kv.used_blocks,
+                pinned=len(e.pins),
+                kv_transfer_bytes=self.puller.bytes_pulled + self.source.bytes_sent + shard_sent,
+                kv_transfer_seconds=self.puller.seconds,
+                kv_pull_buckets=list(self.puller.buckets),
+                kv_recomputes=e.num_kv_recomputes,
+                prefix_queries=e.kv.prefix_queries,
+                prefix_hits=e.kv.prefix_hits,
+                num_preemptions=e.scheduler.num_preemptions,
+                accepting=self.accepting,
             )
 
         return await self.llm.call(read)

@@ -194,7 +194,7 @@ def _measure(cluster, prompts, params):
         sent = time.perf_counter()
         first = last = None
         tokens = 0
-        for ref in cluster.router.generate.remote(prompt, params):
+        for ref in cluster.front.generate.remote(prompt, params):
             out = ray.get(ref)
             now = time.perf_counter()
             if first is None:

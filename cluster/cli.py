@@ -62,11 +62,12 @@ def _deploy(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"offline": "offline_throughput.py", "tp": "tensor_parallel.py"}
+BENCHMARKS = {"offline": "offline_throughput.py", "serve": "serve.py", "tp": "tensor_parallel.py"}
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Run a script from the checkout's benchmarks/ folder (editable installs have it)."""
+    """Run a script from the checkout's benchmarks/ folder (editable installs have it), as
+    `python benchmarks/<script>` would: its folder first on sys.path, for its sibling modules."""
     import runpy
     from pathlib import Path
 
@@ -77,6 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"kvray: error: {script} not found (benchmarks run from a source checkout)", file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.rest]
+    sys.path.insert(0, str(script.parent))
     runpy.run_path(str(script), run_name="__main__")
     return 0
 
@@ -114,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dep.set_defaults(func=_deploy)
 
-    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (e.g. `kvray bench offline`)")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark from benchmarks/ (e.g. `kvray bench offline`, `kvray bench serve --help`)",
+    )
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=_bench)

@@ -1,15 +1,20 @@
-"""Local bring-up: start (or join) Ray, start the workers and the router, tear down.
+"""Local bring-up: start (or join) Ray, start the workers, the Router and a front, tear down.
 
 `RAY_ADDRESS` set: join that cluster. Unset: start a local Ray with a temp dir of our
 own, no dashboard, and token auth disabled for this local cluster only (Ray 2.60 enables
 it by default, and a local single-user cluster has no one to keep out).
+
+Without HTTP, a `FrontActor` plays the ingress: it tokenizes, drives each request through
+the workers the Router (an actor here) chooses, and receives their deltas
+(router/frontend.py); `KvrayCluster.generate` streams cumulative outputs from it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import ray
@@ -17,7 +22,10 @@ import ray
 from kvray.actors.launch import start_pools, stop_pools
 from kvray.configs import DeploymentConfig
 from kvray.engine import RequestOutput, SamplingParams
-from kvray.router.router import RouterActor
+from kvray.errors import InvalidArgumentError
+from kvray.router import metrics
+from kvray.router.frontend import Frontend
+from kvray.router.router import Router
 
 
 def ensure_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
@@ -38,12 +46,65 @@ def ensure_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool
     return True
 
 
+class RouterActorImpl(Router):
+    """The Router as a plain actor (its health loop starts with the actor)."""
+
+    async def ping(self) -> bool:
+        self.start()
+        return True
+
+
+RouterActor = ray.remote(RouterActorImpl)
+
+
+class FrontActorImpl:
+    """The front of a local deployment: what the ingress does, minus HTTP."""
+
+    def __init__(self, config: dict, router):
+        from kvray.models.loader import load_tokenizer, resolve_model_path
+
+        self.config = DeploymentConfig(**config)
+        self.router = router
+        self.tokenizer = load_tokenizer(
+            resolve_model_path(self.config.engine.get("model", "smollm2-135m-instruct"))
+        )
+        self.frontend = Frontend(router, self.config, f"front-{uuid.uuid4().hex[:8]}")
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator:
+        """Stream cumulative RequestOutputs of one request (the last has finished=True)."""
+        if params.n != 1:
+            raise InvalidArgumentError("n", params.n, "1 (fan samples out as separate requests)")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, dict):
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        else:
+            text, ids = None, list(prompt)
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        gen = self.frontend.generate(rid, ids, params)
+        try:
+            async for c in gen:
+                yield RequestOutput(rid, text, ids, [c], finished=c.finish_reason is not None)
+        finally:
+            await gen.aclose()
+
+    async def metrics_text(self) -> bytes:
+        workers = await self.router.worker_stats.remote()
+        return metrics.render(
+            self.config.engine.get("model", "kvray"), self.frontend.stats.snapshot(), workers
+        )
+
+
+FrontActor = ray.remote(FrontActorImpl)
+
+
 @dataclass
 class KvrayCluster:
-    """A running deployment: its router handle and the workers it routes to."""
+    """A running deployment: its front, router and the workers it routes to."""
 
     config: DeploymentConfig
     router: object
+    front: object
     workers: dict[str, tuple[str, object, object]] = field(default_factory=dict)  # id -> (role, actor, pg)
     started_ray: bool = False
 
@@ -51,7 +112,7 @@ class KvrayCluster:
         self, prompt, params: SamplingParams, request_id: str | None = None
     ) -> Iterator[RequestOutput]:
         """Blocking stream of cumulative outputs (the Python entry point without HTTP)."""
-        for ref in self.router.generate.remote(prompt, params, request_id):
+        for ref in self.front.generate.remote(prompt, params, request_id):
             yield ray.get(ref)
 
     def complete(self, prompt, params: SamplingParams) -> RequestOutput:
@@ -61,6 +122,7 @@ class KvrayCluster:
         return final
 
     def shutdown(self) -> None:
+        ray.kill(self.front)
         ray.kill(self.router)
         stop_pools(self.workers)
         if self.started_ray:
@@ -68,11 +130,13 @@ class KvrayCluster:
 
 
 def launch(config: DeploymentConfig | dict, num_cpus: int | None = None) -> KvrayCluster:
-    """Start Ray if needed, the configured worker pools, and the router."""
+    """Start Ray if needed, the configured worker pools, the router and a front."""
     config = config if isinstance(config, DeploymentConfig) else DeploymentConfig(**config)
     started = ensure_ray(num_cpus)
     workers = start_pools(config)
     router = RouterActor.options(num_cpus=0, max_concurrency=1000).remote(
         config.model_dump(), [(wid, role, actor) for wid, (role, actor, _) in workers.items()]
     )
-    return KvrayCluster(config, router, workers, started)
+    ray.get(router.ping.remote())
+    front = FrontActor.options(num_cpus=0, max_concurrency=1000).remote(config.model_dump(), router)
+    return KvrayCluster(config, router, front, workers, started)

@@ -85,9 +85,10 @@ class KVTransferConfig(_Strict):
 
 class RouterConfig(_Strict):
     affinity_blocks: int = Field(4, ge=1)  # leading full blocks hashed for prefix affinity
-    imbalance_threshold: int = Field(4, ge=0)  # in-flight gap that overrides affinity
+    imbalance_threshold: int = Field(4, ge=0)  # load gap (requests) that overrides affinity
     max_retries: int = Field(2, ge=0)  # other workers tried when one dies before the first token
-    health_check_seconds: float = Field(2.0, gt=0)
+    health_check_seconds: float = Field(2.0, gt=0)  # also how soon a new worker is found
+    num_replicas: int = Field(1, ge=1)  # Router replicas (Serve); they agree on every choice
 
 
 class DeploymentConfig(_Strict):

@@ -5,7 +5,7 @@ from kvray.engine.config import EngineConfig
 from kvray.engine.llm import LLM
 from kvray.engine.llm_engine import LLMEngine
 from kvray.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kvray.engine.sampling_params import SamplingParams
+from kvray.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -13,6 +13,7 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "SamplingParams",
+    "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

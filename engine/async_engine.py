@@ -2,7 +2,9 @@
 
 Callers on an asyncio loop `add_request(...)` (or `generate(...)`) and iterate cumulative
 RequestOutputs as the loop produces them; leaving `generate` early (or cancelling it)
-aborts the request and frees its blocks. Only the loop thread touches the engine (and
+aborts the request and frees its blocks. A caller that serves many requests (an engine
+worker) passes one `sink` instead: after each step it gets the outputs of all its requests
+in one call on its own loop, not one hand-over per request. Only the loop thread touches the engine (and
 its tokenizer): callers hand commands over through a queue and await the answer, so a
 bad request raises in the caller and never disturbs the requests already running.
 """
@@ -15,11 +17,23 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
+from typing import Protocol
 
 from kvray.engine.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.sampling_params import SamplingParams
+
+
+class OutputSink(Protocol):
+    """Where the outputs of a caller's requests go: `put_many` and `fail` are called on the
+    caller's `loop` (scheduled from the engine thread), once per step with all of them."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def put_many(self, outputs: list[RequestOutput]) -> None: ...
+
+    def fail(self, request_ids: list[str], error: BaseException) -> None: ...
 
 
 class OutputStream:
@@ -28,11 +42,15 @@ class OutputStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self.finished = False
-        self._loop = loop
+        self.loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException) -> None:  # any thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    def put_many(self, outputs: list[RequestOutput]) -> None:  # on self.loop
+        for out in outputs:
+            self._queue.put_nowait(out)
+
+    def fail(self, request_ids: list[str], error: BaseException) -> None:  # on self.loop
+        self._queue.put_nowait(error)
 
     def __aiter__(self):
         return self
@@ -56,7 +74,7 @@ class AsyncLLM:
         self._on_step_error = on_step_error
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, OutputStream] = {}
+        self._streams: dict[str, OutputSink] = {}  # request id -> where its outputs go
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
         self._thread.start()
@@ -73,14 +91,17 @@ class AsyncLLM:
         priority: int = 0,
         deadline: float | None = None,
         kv_lease: float | None = None,
-    ) -> OutputStream:
+        sink: OutputSink | None = None,
+    ) -> OutputStream | None:
         """Queue a request; raises the engine's validation error here, in the caller.
-        `kv_lease`: a prefill for a decode worker (see LLMEngine.add_request)."""
+        `kv_lease`: a prefill for a decode worker (see LLMEngine.add_request). Returns the
+        request's stream, or None when its outputs go to `sink`."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
-        stream = OutputStream(request_id, asyncio.get_running_loop())
+        stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
-        self._send(("add", stream, prompt, sampling_params, priority, deadline, kv_lease, accepted))
+        add = (request_id, stream or sink, prompt, sampling_params, priority, deadline, kv_lease, accepted)
+        self._send(("add", *add))
         await asyncio.wrap_future(accepted)
         return stream
 
@@ -110,12 +131,15 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         first_token: int,
         first_logprobs=None,
-    ) -> tuple[OutputStream, list[int] | None]:
+        sink: OutputSink | None = None,
+    ) -> tuple[OutputStream | None, list[int] | None]:
         """Continue a request prefilled elsewhere (see LLMEngine.add_prefilled_request);
-        returns its stream and the blocks to pull the prompt's KV into, if any."""
-        stream = OutputStream(request_id, asyncio.get_running_loop())
+        returns its stream (None with a `sink`) and the blocks to pull the prompt's KV
+        into, if any."""
+        stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
-        self._send(("add_prefilled", stream, prompt, sampling_params, first_token, first_logprobs, accepted))
+        add = (request_id, stream or sink, prompt, sampling_params, first_token, first_logprobs, accepted)
+        self._send(("add_prefilled", *add))
         return stream, await asyncio.wrap_future(accepted)
 
     async def call(self, fn, *args):
@@ -173,52 +197,54 @@ class AsyncLLM:
             elif command[0] == "add_prefilled":
                 self._add_prefilled(*command[1:])
             elif command[0] == "add":
-                _, stream, prompt, params, priority, deadline, kv_lease, accepted = command
+                _, rid, sink, prompt, params, priority, deadline, kv_lease, accepted = command
                 try:
                     self.engine.add_request(
-                        stream.request_id,
-                        prompt,
-                        params,
-                        priority=priority,
-                        deadline=deadline,
-                        kv_lease=kv_lease,
+                        rid, prompt, params, priority=priority, deadline=deadline, kv_lease=kv_lease
                     )
                 except Exception as e:
                     _settle(accepted, error=e)
                     continue
-                self._streams[stream.request_id] = stream
+                self._streams[rid] = sink
                 if not _settle(accepted, None):  # the caller was cancelled meanwhile
-                    self._publish(self.engine.abort_request([stream.request_id]))
+                    self._publish(self.engine.abort_request([rid]))
             else:
                 self._publish(self.engine.abort_request([command[1]]))
 
-    def _add_prefilled(self, stream, prompt, params, first_token, first_logprobs, accepted) -> None:
-        rid = stream.request_id
+    def _add_prefilled(self, rid, sink, prompt, params, first_token, first_logprobs, accepted) -> None:
         try:
             blocks = self.engine.add_prefilled_request(rid, prompt, params, first_token, first_logprobs)
         except Exception as e:
             _settle(accepted, error=e)
             return
-        self._streams[rid] = stream
+        self._streams[rid] = sink
         if not _settle(accepted, blocks):  # the caller left: nobody will pull or read
             self._publish(self.engine.abort_request([rid]))
             if blocks is not None:
                 self.engine.finish_kv_pull(rid, ok=False)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Hand each sink its outputs of this step in one call on its loop."""
+        batches: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
-                if out.finished:
-                    del self._streams[out.request_id]
+            sink = self._streams.get(out.request_id)
+            if sink is None:
+                continue
+            batches.setdefault(id(sink), (sink, []))[1].append(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        for sink, batch in batches.values():
+            sink.loop.call_soon_threadsafe(sink.put_many, batch)
 
     def _fail_all(self, error: Exception) -> None:
         self.engine.abort_request(list(self.engine.outputs.tracked))
         # the failed step may have indexed blocks it never wrote: forget cached contents
         self.engine.kv.pool.reset_prefix_cache()
-        for stream in self._streams.values():
-            stream.put(error)
+        failed: dict[int, tuple[OutputSink, list[str]]] = {}
+        for rid, sink in self._streams.items():
+            failed.setdefault(id(sink), (sink, []))[1].append(rid)
+        for sink, rids in failed.values():
+            sink.loop.call_soon_threadsafe(sink.fail, rids, error)
         self._streams.clear()
 
     def shutdown(self) -> None:

@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         become the start of a stop string is held back, so streamed text never shows
         characters that the final (cut) text does not have."""
         hold = max((len(s) for s in self.stop_strings), default=1) - 1
-        return self.text[: len(self.text) - hold] if hold else self.text
+        return self.text[: max(len(self.text) - hold, 0)] if hold else self.text
 
     def _check_stop(self, new_chars: int) -> str | None:
         """Cut the text at the earliest stop string that the new characters completed."""

@@ -238,7 +238,12 @@ class PinTable:
 
 
 def prefill_params(params):
-    """The sampling parameters a prefill worker runs: the user's, cut to the first token."""
+    """The sampling parameters a prefill worker runs: the user's, cut to the first token
+    (its one, final output holds it, whatever kind the caller streams)."""
     import dataclasses
 
-    return dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1)
+    from kvray.engine.sampling_params import RequestOutputKind
+
+    return dataclasses.replace(
+        params, max_tokens=1, min_tokens=0, n=1, output_kind=RequestOutputKind.CUMULATIVE
+    )

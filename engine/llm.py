@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvray.engine.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
-from kvray.engine.sampling_params import SamplingParams
+from kvray.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvray.errors import InvalidArgumentError
 
 
@@ -111,6 +111,11 @@ class LLM:
                     "sampling_params",
                     f"<{len(params)} items>",
                     f"one SamplingParams or {len(prompts)} of them",
+                )
+        for p in params:
+            if p.output_kind is RequestOutputKind.DELTA:
+                raise InvalidArgumentError(
+                    "output_kind", "DELTA", "CUMULATIVE or FINAL_ONLY (generate returns final outputs)"
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if self._group is not None:

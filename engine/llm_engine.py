@@ -181,7 +181,9 @@ class LLMEngine:
         return samples
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Finish the requests as `abort` and free their blocks now; returns final outputs."""
+        """Finish the requests as `abort` and free their blocks now; returns their final
+        outputs, each after any output of that request still pending (not yet returned by
+        `step`), so a DELTA stream never loses a piece."""
         finals = []
         for rid in request_ids:
             samples = self.outputs.samples_of(rid)
@@ -195,7 +197,9 @@ class LLMEngine:
             self.scheduler.abort([s.request_id for s in samples])
             for s in samples:
                 self.runner.forget(s.request_id)
-            finals.append(self.outputs.output(rid))
+            finals += [o for o in self.pending_outputs if o.request_id == rid]
+            self.pending_outputs = [o for o in self.pending_outputs if o.request_id != rid]
+            finals.append(self.outputs.output(rid))  # finished: never None
         return finals
 
     def has_unfinished_requests(self) -> bool:
@@ -213,8 +217,12 @@ class LLMEngine:
         )
         if not sched.requests:
             return pending
+        start = time.perf_counter()
         tables = [self.kv.block_ids(r.request_id) for r in sched.requests]
         result = self.runner.execute(sched, tables)
+        share = (time.perf_counter() - start) / len(sched.requests)
+        for req in sched.requests:
+            req.step_seconds += share
         sampled = dict(zip(result.request_ids, result.sampled.token_ids))
         logprobs = dict(zip(result.request_ids, result.sampled.logprobs))
         advanced = self.scheduler.update_from_output(sched, sampled)
@@ -235,7 +243,8 @@ class LLMEngine:
                         tuple(req.block_hashes),
                     )
             touched[self.outputs.parent_of(req.request_id)] = None
-        return pending + [self.outputs.output(rid) for rid in touched]
+        outputs = (self.outputs.output(rid) for rid in touched)  # None: FINAL_ONLY, running
+        return pending + [o for o in outputs if o is not None]
 
     def kv_cache_stats(self):
         return self.kv.stats()
@@ -291,7 +300,11 @@ class LLMEngine:
         """Continue a request whose prompt was prefilled elsewhere and whose first token
         was sampled there. Returns the blocks to pull the prompt's KV into, then call
         `finish_kv_pull`; None when no pull is wanted (the first token already ended the
-        request, or no blocks are free now and the prompt is queued for recompute)."""
+        request, or no blocks are free now and the prompt is queued for recompute).
+
+        The first token's output (final if it ended the request) goes to
+        `pending_outputs`, made like every later one: the same stop strings, hold-back
+        and output kind (none for a FINAL_ONLY request that continues)."""
         if params.n != 1:
             raise InvalidArgumentError("n", params.n, "1 for a disaggregated request")
         (req,) = self._make_samples(request_id, prompt, params, priority, None)
@@ -301,7 +314,10 @@ class LLMEngine:
         if reason is not None:
             req.stop_reason = stop if stop is not None else req.stop_reason
             req.status = reason
-            self.pending_outputs.append(self.outputs.output(request_id))
+        first = self.outputs.output(request_id)
+        if first is not None:
+            self.pending_outputs.append(first)
+        if reason is not None:
             return None
         # not indexed in the prefix cache until the data has arrived (finish_kv_pull)
         blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)

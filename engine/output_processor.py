@@ -1,8 +1,10 @@
 """Turns per-sample progress into user-facing RequestOutputs.
 
 One user request with n samples is n scheduler requests; this module keeps, per user
-request, a detokenizer per sample and emits one cumulative RequestOutput holding all n
-CompletionOutputs, finished when every sample has finished.
+request, a detokenizer per sample and emits one RequestOutput holding the n
+CompletionOutputs, finished when every sample has finished. The request's
+`output_kind` shapes it: everything so far (CUMULATIVE), only what is new since the
+previous output (DELTA), or nothing until the request has finished (FINAL_ONLY).
 """
 
 from __future__ import annotations
@@ -12,6 +14,17 @@ from dataclasses import dataclass, field
 from kvray.engine.detokenizer import IncrementalDetokenizer
 from kvray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvray.engine.request import Request
+from kvray.engine.sampling_params import RequestOutputKind
+
+
+@dataclass
+class _Sent:
+    """How much of one sample the request's outputs have carried so far (DELTA)."""
+
+    num_chars: int = 0  # of its text
+    num_tokens: int = 0
+    num_logprobs: int = 0  # per-token logprob entries
+    finished: bool = False  # its finish_reason has been sent
 
 
 @dataclass
@@ -22,6 +35,8 @@ class _Tracked:
     samples: list[Request]
     detoks: list[IncrementalDetokenizer]
     logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
+    sent: list[_Sent] = field(default_factory=list)  # per sample (DELTA)
+    prompt_sent: bool = False  # an output with the prompt has gone out
 
 
 class OutputProcessor:
@@ -40,7 +55,13 @@ class OutputProcessor:
             for _ in samples
         ]
         self.tracked[request_id] = _Tracked(
-            request_id, first.prompt, first.prompt_token_ids, samples, detoks, [[] for _ in samples]
+            request_id,
+            first.prompt,
+            first.prompt_token_ids,
+            samples,
+            detoks,
+            [[] for _ in samples],
+            [_Sent() for _ in samples],
         )
         for s in samples:
             self.sample_to_parent[s.request_id] = request_id
@@ -60,28 +81,22 @@ class OutputProcessor:
             return None
         return t.detoks[i].add_token(token)
 
-    def output(self, request_id: str) -> RequestOutput:
+    def output(self, request_id: str) -> RequestOutput | None:
+        """The request's output now, shaped by its `output_kind`; None for an unfinished
+        FINAL_ONLY request. A finished request is forgotten here."""
         t = self.tracked[request_id]
-        completions = []
-        for s, d, lps in zip(t.samples, t.detoks, t.logprobs):
-            asked = s.sampling_params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    index=s.sample_index,
-                    text=d.text if s.finished else d.visible_text(),
-                    token_ids=list(s.output_token_ids),
-                    cumulative_logprob=s.cumulative_logprob if asked else None,
-                    logprobs=lps if asked else None,
-                    finish_reason=s.status.value if s.finished else None,
-                    stop_reason=s.stop_reason,
-                )
-            )
+        kind = t.samples[0].sampling_params.output_kind
         finished = all(s.finished for s in t.samples)
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = [self._completion(t, i, kind) for i in range(len(t.samples))]
+        with_prompt = kind is not RequestOutputKind.DELTA or not t.prompt_sent
+        t.prompt_sent = True
         out = RequestOutput(
             request_id=request_id,
-            prompt=t.prompt,
-            prompt_token_ids=list(t.prompt_token_ids),
-            outputs=completions,
+            prompt=t.prompt if with_prompt else None,
+            prompt_token_ids=list(t.prompt_token_ids) if with_prompt else None,
+            outputs=[c for c in completions if c is not None],
             finished=finished,
             num_cached_tokens=max(t.samples[0].num_cached_tokens, 0),
             metrics=_metrics(t.samples),
@@ -91,6 +106,30 @@ class OutputProcessor:
             for s in t.samples:
                 del self.sample_to_parent[s.request_id]
         return out
+
+    @staticmethod
+    def _completion(t: _Tracked, i: int, kind: RequestOutputKind) -> CompletionOutput | None:
+        """Sample i's CompletionOutput: all of it, or (DELTA) what is new since the last
+        output, None when nothing is. A running sample shows its visible text only, a
+        prefix of its final text, so DELTA pieces always add up to the final text."""
+        s, d, lps = t.samples[i], t.detoks[i], t.logprobs[i]
+        asked = s.sampling_params.logprobs is not None
+        text = d.text if s.finished else d.visible_text()
+        sent = _Sent()  # CUMULATIVE: from the start
+        if kind is RequestOutputKind.DELTA:
+            sent, now = t.sent[i], _Sent(len(text), s.num_output_tokens, len(lps), s.finished)
+            if now == sent:
+                return None
+            t.sent[i] = now
+        return CompletionOutput(
+            index=s.sample_index,
+            text=text[sent.num_chars :],
+            token_ids=s.output_token_ids[sent.num_tokens :],
+            cumulative_logprob=s.cumulative_logprob if asked else None,
+            logprobs=lps[sent.num_logprobs :] if asked else None,
+            finish_reason=s.status.value if s.finished else None,
+            stop_reason=s.stop_reason,
+        )
 
     def parent_of(self, sample_id: str) -> str:
         return self.sample_to_parent[sample_id]
@@ -103,4 +142,5 @@ class OutputProcessor:
 def _metrics(samples: list[Request]) -> RequestMetrics:
     """The user request's timings: its queue time ends when its first sample is scheduled."""
     scheduled = [s.first_scheduled_time for s in samples if s.first_scheduled_time is not None]
-    return RequestMetrics(samples[0].arrival_time, min(scheduled, default=None))
+    step_seconds = sum(s.step_seconds for s in samples)
+    return RequestMetrics(samples[0].arrival_time, min(scheduled, default=None), step_seconds)

@@ -36,6 +36,9 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: float | None = None  # None: still waiting for its first step
+    # the request's share of the engine's step time so far: each step's wall time split
+    # evenly over the requests it ran (what a worker's price is charged by)
+    step_seconds: float = 0.0
 
     @property
     def time_in_queue(self) -> float | None:
@@ -49,7 +52,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None on a DELTA request's outputs after its first
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from kvray.errors import InvalidArgumentError, check_range
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far, on every output
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request has finished (cumulative)
 
 
 @dataclass
@@ -28,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +66,10 @@ class SamplingParams:
             check_range("logprobs", self.logprobs, low=0, high=20)
         if any(not s for s in self.stop_strings):
             raise InvalidArgumentError("stop", self.stop, "non-empty strings")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidArgumentError(
+                "output_kind", self.output_kind, "a RequestOutputKind: CUMULATIVE, DELTA or FINAL_ONLY"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -1,21 +1,26 @@
-"""The Ray Serve app: an OpenAI-compatible FastAPI ingress in front of the Router.
+"""The Ray Serve app: an OpenAI-compatible FastAPI ingress, the Router, the worker pools.
 
 `build_app(config)` is a pure builder: it validates a dict (or a YAML path, or a shipped
-preset's name) into `ServeConfig` and binds two deployments; nothing starts until Serve
+preset's name) into `ServeConfig` and binds the deployments; nothing starts until Serve
 runs the app. The pools are deployments of their own (router/pools.py: one replica per
-worker, fixed or autoscaled on LLM signals), whose workers join the Router deployment (one
-replica, router/router_deployment.py); the ingress deployment (`num_replicas` replicas)
-sends every request through the Router.
+worker, fixed or autoscaled on LLM signals); the Router deployment (`router.num_replicas`
+replicas, the control plane) finds their workers by name and chooses workers; each
+ingress replica (`num_replicas`) tokenizes and validates once, drives its requests
+through the workers it was given (router/frontend.py) and receives their tokens straight
+from the workers, one batch of deltas per engine step.
 
 HTTP: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics. Handles: `generate(request)` returns the response body of an OpenAI request
 dict (chat when it has `messages`), `generate_stream(request)` yields its stream chunks.
-A request with `n` samples or several prompts is fanned out into one router request per
+A request with `n` samples or several prompts is fanned out into one engine request per
 choice. A client that goes away aborts its requests on every worker they touched.
+Request metrics are kept by each ingress replica and published to Ray's cluster KV every
+`METRICS_PUBLISH_S`, so /metrics of any replica shows the whole app.
 """
 
 # No `from __future__ import annotations`: FastAPI must see real types on the (pickled) routes.
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -31,8 +36,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from kvray.configs import ServeConfig
+from kvray.configs import DeploymentConfig, ServeConfig
 from kvray.errors import InvalidArgumentError, KvrayError
+from kvray.router import metrics
+from kvray.router.frontend import Frontend
 from kvray.router.pools import pool_deployment
 from kvray.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from kvray.router.responses import ResponseBuilder, Usage
@@ -41,6 +48,7 @@ from kvray.router.streams import all_or_none, merge, sse
 
 logger = logging.getLogger(__name__)
 PRESETS = Path(__file__).resolve().parent.parent / "configs"
+METRICS_PUBLISH_S = 1.0  # how often an ingress replica publishes its request metrics
 
 app = FastAPI(title="kvray", description="OpenAI-compatible LLM serving on Ray")
 
@@ -77,7 +85,7 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
     if isinstance(config, dict) and set(config) == {"config"}:
         config = config["config"]
     cfg = load_config(config)
-    router = RouterDeployment.options(name=f"{cfg.app_name}-router")
+    router = RouterDeployment.options(name=f"{cfg.app_name}-router", num_replicas=cfg.router.num_replicas)
     ingress = OpenAIIngress.options(
         name=f"{cfg.app_name}-ingress",
         num_replicas=cfg.num_replicas,
@@ -86,7 +94,7 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
     )
     router_app = router.bind(cfg.model_dump())
     roles = ["prefill", "decode"] if cfg.disaggregated else ["mixed"]
-    pools = [pool_deployment(cfg, role, router_app) for role in roles]
+    pools = [pool_deployment(cfg, role) for role in roles]
     return ingress.bind(cfg.model_dump(), router_app, pools)
 
 
@@ -94,7 +102,7 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
 
 
 def _num_prompt_tokens(jobs: list, n: int) -> int:
-    return sum(len(prompt["prompt_token_ids"]) for _, prompt, _ in jobs[::n])
+    return sum(len(ids) for _, ids, _ in jobs[::n])
 
 
 def _replace(params, **changes):
@@ -123,18 +131,48 @@ def _load_tokenizer(model: str):
     return load_tokenizer(resolve_model_path(model))
 
 
+def _metrics_key(app_name: str, front_id: str = "") -> bytes:
+    return f"kvray/{app_name}/front-metrics/{front_id}".encode()
+
+
+def _published_metrics(app_name: str, skip: str) -> list[dict]:
+    """Every other ingress replica's last published request metrics (also those of
+    replicas that are gone: their counts stay in the app's totals)."""
+    from ray.experimental import internal_kv
+
+    prefix = _metrics_key(app_name)
+    keys = [k for k in internal_kv._internal_kv_list(prefix) if k != _metrics_key(app_name, skip)]
+    values = [internal_kv._internal_kv_get(k) for k in keys]
+    return [json.loads(v) for v in values if v]
+
+
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
     async def __init__(self, config: dict, router: DeploymentHandle, pools: list[DeploymentHandle]):
         self.config = ServeConfig(**config)
         self.pools = pools  # bound here so Serve runs the pool deployments with the app
-        self.router = router  # the one RouterDeployment replica, shared by every ingress replica
-        self.router_stream = router.options(stream=True)
+        self.router = router  # the control plane: which workers serve a request
         self.limits = await router.model_info.remote()
         self.tokenizer = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
         self.num_in_flight = 0
         self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
+        deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
+        self.front_id = f"{self.config.app_name}-ingress-{self.replica}-{uuid.uuid4().hex[:6]}"
+        self.frontend = Frontend(router, deployment, self.front_id)
+        self.publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
+
+    async def _publish_metrics(self) -> None:
+        from ray.experimental import internal_kv
+
+        key = _metrics_key(self.config.app_name, self.front_id)
+        while True:
+            await asyncio.sleep(METRICS_PUBLISH_S)
+            try:
+                snapshot = json.dumps(self.frontend.stats.snapshot()).encode()
+                await asyncio.to_thread(internal_kv._internal_kv_put, key, snapshot, True)
+            except Exception:  # keep publishing; a missed second is caught up by the next
+                logger.exception("kvray ingress: publishing metrics failed")
 
     # ---- HTTP ---------------------------------------------------------------------------
 
@@ -168,7 +206,10 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        text = await self.router.metrics_text.remote()
+        workers = await self.router.worker_stats.remote()
+        others = await asyncio.to_thread(_published_metrics, self.config.app_name, self.front_id)
+        requests = metrics.merge([self.frontend.stats.snapshot(), *others])
+        text = metrics.render(self.config.model_name, requests, workers)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _http(self, request: Request, chat: bool) -> Response:
@@ -229,8 +270,8 @@ class OpenAIIngress:
         req, builder, jobs = self._prepare(body, chat)
         with self._admitted():
             finals = await all_or_none([self._final(*job) for job in jobs])
-        usage = Usage(_num_prompt_tokens(jobs, req.n), sum(len(f.outputs[0].token_ids) for f in finals))
-        return builder.body({i: f.outputs[0] for i, f in enumerate(finals)}, usage)
+        usage = Usage(_num_prompt_tokens(jobs, req.n), sum(len(f.token_ids) for f in finals))
+        return builder.body(dict(enumerate(finals)), usage)
 
     async def _stream(self, body: dict, chat: bool) -> AsyncIterator[dict]:
         req, builder, jobs = self._prepare(body, chat)
@@ -239,8 +280,8 @@ class OpenAIIngress:
             outs = {}
             try:
                 async for index, out in merge([self._outputs(*job) for job in jobs]):
-                    outs[index] = out.outputs[0]
-                    chunk = builder.delta_chunk(index, out.outputs[0], req.include_usage)
+                    outs[index] = out
+                    chunk = builder.delta_chunk(index, out, req.include_usage)
                     if chunk is not None:
                         yield chunk
             except KvrayError as e:
@@ -251,7 +292,7 @@ class OpenAIIngress:
                 yield builder.usage_chunk(Usage(_num_prompt_tokens(jobs, req.n), done))
 
     def _prepare(self, body: dict, chat: bool):
-        """Validate and tokenize: (request, response builder, [(request id, prompt, params)])."""
+        """Validate and tokenize: (request, response builder, [(request id, token ids, params)])."""
         req = parse_request(body, chat)
         if req.model != self.config.model_name:
             raise APIError(404, f"model {req.model!r} does not exist", param="model", code="model_not_found")
@@ -270,7 +311,7 @@ class OpenAIIngress:
                 jobs.append((f"{rid}-{p * req.n + i}", prompt, sample))
         return req, builder, jobs
 
-    def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[dict]:
+    def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(req, ChatCompletionRequest):
             conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
             text = self.tokenizer.apply_chat_template(
@@ -292,25 +333,24 @@ class OpenAIIngress:
                 raise InvalidArgumentError("prompt", f"<{len(ids)} tokens>", f"fewer than {limit} tokens")
             if min(ids) < 0 or max(ids) >= vocab:
                 raise InvalidArgumentError("prompt", "token ids", f"ids in [0, {vocab - 1}]")
-        return [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+        return [ids for _, ids in prompts]
 
-    async def _outputs(self, rid: str, prompt: dict, params):
-        """One router request's cumulative outputs; leaving early aborts it everywhere."""
-        finished = False
+    async def _outputs(self, rid: str, prompt_token_ids: list[int], params):
+        """One engine request's cumulative CompletionOutput after every delta; leaving
+        early aborts it everywhere."""
+        gen = self.frontend.generate(rid, prompt_token_ids, params)
         try:
-            async for out in self.router_stream.generate.remote(prompt, params, rid):
-                finished = out.finished
+            async for out in gen:
                 yield out
         except ray.exceptions.RayTaskError as e:
             raise _cause(e) from None
         finally:
-            if not finished:
-                self.router.abort.remote(rid)
+            await gen.aclose()
 
-    async def _final(self, rid: str, prompt: dict, params):
+    async def _final(self, rid: str, prompt_token_ids: list[int], params):
         final = None
         try:
-            async for final in self._outputs(rid, prompt, params):  # noqa: B007 (keep the last)
+            async for final in self._outputs(rid, prompt_token_ids, params):  # noqa: B007 (keep the last)
                 pass
         except KvrayError as e:
             raise _api_error_of(e) from None

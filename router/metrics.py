@@ -1,147 +1,173 @@
 """Prometheus metrics, vLLM's names with the prefix `kvray:`.
 
 Request-level numbers (latencies, queue time, token counts, outcomes, cost) are recorded by
-the Router, the one place every ingress replica sends through, so `/metrics` of any replica
-shows the whole app. Worker-level numbers (queue lengths, KV usage, prefix cache, transfers,
-preemptions) are read from every live worker's `stats()` when `/metrics` is rendered and
-labelled by `role` and `worker`; the KV pulls a worker finished since its previous
-`stats()` call (whoever made it: a scrape or the router's health check) are observed one by
-one into the `kv_transfer_seconds` histogram.
+the front that owns each request (an ingress replica), where its tokens arrive. Each front
+keeps them as plain cumulative numbers (`RequestStats`) and publishes a snapshot every
+second (router/app.py: Ray's cluster KV), so `/metrics` of any replica merges every
+front's numbers (counters and histogram buckets add up). Worker-level numbers (queue
+lengths, KV usage, prefix cache, transfers, preemptions) are read from every live worker's
+`stats()` when `/metrics` is rendered and labelled by `role` and `worker`; each worker
+keeps its own cumulative KV-pull histogram, so who reads it does not matter.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-if TYPE_CHECKING:
-    from kvray.actors.worker import WorkerStats
-    from kvray.engine import RequestOutput
+from kvray.actors.messages import TRANSFER_BUCKETS, WorkerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 COST_BUCKETS = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
-TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# name -> (help, buckets)
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Time to first token.", LATENCY_BUCKETS),
+    "inter_token_latency_seconds": ("Time between output tokens.", LATENCY_BUCKETS),
+    "e2e_request_latency_seconds": ("Arrival to final output.", LATENCY_BUCKETS),
+    "request_queue_time_seconds": (
+        "Time in the engine's queue before first scheduled (the prefill worker's, disaggregated).",
+        LATENCY_BUCKETS,
+    ),
+    "request_prompt_tokens": ("Prompt tokens per request.", TOKEN_BUCKETS),
+    "request_generation_tokens": ("Generated tokens per request.", TOKEN_BUCKETS),
+    "request_cost_usd": (
+        "Worker price x the request's share of the worker's engine steps, over its workers.",
+        COST_BUCKETS,
+    ),
+}
+COUNTERS = {"prompt_tokens": "Prefilled prompt tokens.", "generation_tokens": "Generated tokens."}
+
+
+def _empty() -> dict:
+    return {
+        "hist": {name: {"counts": [0] * (len(b) + 1), "sum": 0.0} for name, (_, b) in HISTOGRAMS.items()},
+        "count": {name: 0 for name in COUNTERS},
+        "success": {},  # finish reason -> requests
+    }
+
+
+class RequestStats:
+    """One front's request metrics, as cumulative plain numbers (a JSON-able snapshot)."""
+
+    def __init__(self):
+        self.data = _empty()
+
+    def observe(self, name: str, value: float, times: int = 1) -> None:
+        h = self.data["hist"][name]
+        h["counts"][bisect.bisect_left(HISTOGRAMS[name][1], value)] += times
+        h["sum"] += value * times
+
+    def finish(self, timer: RequestTimer, finish_reason: str) -> None:
+        self.observe("e2e_request_latency_seconds", time.monotonic() - timer.arrival)
+        self.observe("request_prompt_tokens", timer.num_prompt_tokens)
+        self.observe("request_generation_tokens", timer.num_tokens)
+        self.observe("request_cost_usd", timer.cost_usd)
+        self.data["count"]["prompt_tokens"] += timer.num_prompt_tokens
+        self.data["count"]["generation_tokens"] += timer.num_tokens
+        success = self.data["success"]
+        success[finish_reason] = success.get(finish_reason, 0) + 1
+
+    def snapshot(self) -> dict:
+        return self.data
+
+
+def merge(snapshots: list[dict]) -> dict:
+    total = _empty()
+    for s in snapshots:
+        for name, h in s["hist"].items():
+            t = total["hist"][name]
+            t["counts"] = [a + b for a, b in zip(t["counts"], h["counts"])]
+            t["sum"] += h["sum"]
+        for name, n in s["count"].items():
+            total["count"][name] += n
+        for reason, n in s["success"].items():
+            total["success"][reason] = total["success"].get(reason, 0) + n
+    return total
 
 
 @dataclass
 class RequestTimer:
-    """One request's clock, kept by the Router from arrival to its final output."""
+    """One request's clock, kept by its front from arrival to its final output."""
 
+    stats: RequestStats
     num_prompt_tokens: int
     arrival: float = field(default_factory=time.monotonic)
-    num_outputs: int = 0
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
     cost_usd: float = 0.0
+    queue_seen: bool = False
 
+    def on_queue_time(self, seconds: float | None) -> None:
+        """The queue time of the engine that ran the prompt (observed once)."""
+        if seconds is not None and not self.queue_seen:
+            self.queue_seen = True
+            self.stats.observe("request_queue_time_seconds", seconds)
 
-class RouterMetrics:
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-
-        def hist(name, doc, buckets):
-            return Histogram(f"kvray:{name}", doc, labels, buckets=buckets, registry=self.registry)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", LATENCY_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to final output.", LATENCY_BUCKETS)
-        self.queue = hist(
-            "request_queue_time_seconds",
-            "Time in the engine's queue before first scheduled (the prefill worker's, disaggregated).",
-            LATENCY_BUCKETS,
-        )
-        self.prompt_hist = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.gen_hist = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
-        self.cost = hist(
-            "request_cost_usd",
-            "Worker price x time the request held the worker (shared time split by load).",
-            COST_BUCKETS,
-        )
-        self.prompt_tokens = Counter(
-            "kvray:prompt_tokens", "Prefilled prompt tokens.", labels, registry=self.registry
-        )
-        self.generation_tokens = Counter(
-            "kvray:generation_tokens", "Generated tokens.", labels, registry=self.registry
-        )
-        self.success = Counter(
-            "kvray:request_success",
-            "Finished requests by finish reason.",
-            [*labels, "finished_reason"],
-            registry=self.registry,
-        )
-        self.kv_transfer = Histogram(
-            "kvray:kv_transfer_seconds",
-            "Duration of one KV pull (decode side).",
-            ["model_name", "role", "worker"],
-            buckets=TRANSFER_BUCKETS,
-            registry=self.registry,
-        )
-        self.workers = _WorkerCollector(model_name)
-        self.registry.register(self.workers)
-
-    def on_output(self, timer: RequestTimer, out: RequestOutput) -> None:
-        """A cumulative output arrived. The request's first output comes from the engine
-        that ran its prompt (when disaggregated, the router's first-token output carries
-        the prefill worker's metrics): its queue time is the request's."""
-        now = time.monotonic()
-        timer.num_outputs += 1
-        queue_time = out.metrics.time_in_queue if out.metrics is not None else None
-        if timer.num_outputs == 1 and queue_time is not None:
-            self.queue.labels(self.model_name).observe(queue_time)
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        new = num_tokens - timer.num_tokens
+    def on_tokens(self, new: int) -> None:
         if new <= 0:
             return
-        if timer.first_token is None:
-            timer.first_token = now
-            self.ttft.labels(self.model_name).observe(now - timer.arrival)
-            new -= 1
-        elif new > 0:
-            gap = (now - timer.last_token) / new
-            for _ in range(new):
-                self.itl.labels(self.model_name).observe(gap)
-        timer.last_token = now
-        timer.num_tokens = num_tokens
-
-    def on_finish(self, timer: RequestTimer, finish_reason: str) -> None:
-        m = self.model_name
-        self.e2e.labels(m).observe(time.monotonic() - timer.arrival)
-        self.prompt_hist.labels(m).observe(timer.num_prompt_tokens)
-        self.gen_hist.labels(m).observe(timer.num_tokens)
-        self.prompt_tokens.labels(m).inc(timer.num_prompt_tokens)
-        self.generation_tokens.labels(m).inc(timer.num_tokens)
-        self.success.labels(m, finish_reason).inc()
-        self.cost.labels(m).observe(timer.cost_usd)
-
-    def on_worker_stats(self, stats: WorkerStats) -> None:
-        """Observe the KV pulls a worker finished since its previous stats() call. Every
-        stats() result must pass through here: the call drains them on the worker."""
-        for seconds in stats.kv_pull_durations:
-            self.kv_transfer.labels(self.model_name, stats.role, stats.worker_id).observe(seconds)
-
-    def render(self, worker_stats: list[WorkerStats]) -> bytes:
-        """The Prometheus text format, with the workers' latest stats (already passed
-        through `on_worker_stats`)."""
-        self.workers.stats = worker_stats
-        return generate_latest(self.registry)
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self.stats.observe("time_to_first_token_seconds", now - self.arrival)
+            if new > 1:
+                self.stats.observe("inter_token_latency_seconds", 0.0, new - 1)
+        else:
+            self.stats.observe("inter_token_latency_seconds", (now - self.last_token) / new, new)
+        self.last_token = now
+        self.num_tokens += new
 
 
-class _WorkerCollector:
-    """Turns WorkerStats snapshots into per-worker gauges and counters at scrape time."""
+def render(model_name: str, requests: dict, workers: list[WorkerStats]) -> bytes:
+    """The Prometheus text format of merged request numbers and the workers' stats."""
+    registry = CollectorRegistry()
+    registry.register(_Collector(model_name, requests, workers))
+    return generate_latest(registry)
 
-    def __init__(self, model_name: str):
+
+def _buckets(bounds: tuple, counts: list[int]) -> list[tuple[str, int]]:
+    out, running = [], 0
+    for bound, n in zip([*map(float, bounds), float("inf")], counts):
+        running += n
+        out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    return out
+
+
+class _Collector:
+    def __init__(self, model_name: str, requests: dict, workers: list[WorkerStats]):
         self.model_name = model_name
-        self.stats: list[WorkerStats] = []
+        self.requests = requests
+        self.workers = workers
 
     def collect(self):
+        m = self.model_name
+        for name, (doc, bounds) in HISTOGRAMS.items():
+            h = self.requests["hist"][name]
+            family = HistogramMetricFamily(f"kvray:{name}", doc, labels=["model_name"])
+            family.add_metric([m], _buckets(bounds, h["counts"]), h["sum"])
+            yield family
+        for name, doc in COUNTERS.items():
+            family = CounterMetricFamily(f"kvray:{name}", doc, labels=["model_name"])
+            family.add_metric([m], self.requests["count"][name])
+            yield family
+        family = CounterMetricFamily(
+            "kvray:request_success",
+            "Finished requests by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, n in sorted(self.requests["success"].items()):
+            family.add_metric([m, reason], n)
+        yield family
+        yield from self._workers()
+
+    def _workers(self):
         labels = ["model_name", "role", "worker"]
         gauges = {
             "num_requests_running": ("Requests in the worker's running batch.", "num_running"),
@@ -155,13 +181,20 @@ class _WorkerCollector:
             "kv_transfer_bytes": ("KV bytes pulled in plus sent out.", "kv_transfer_bytes"),
             "kv_recompute": ("Prompts recomputed because a KV pull failed or came late.", "kv_recomputes"),
         }
-        for name, (doc, attr) in gauges.items():
-            family = GaugeMetricFamily(f"kvray:{name}", doc, labels=labels)
-            for s in self.stats:
-                family.add_metric([self.model_name, s.role, s.worker_id], getattr(s, attr))
-            yield family
-        for name, (doc, attr) in counters.items():
-            family = CounterMetricFamily(f"kvray:{name}", doc, labels=labels)
-            for s in self.stats:
-                family.add_metric([self.model_name, s.role, s.worker_id], getattr(s, attr))
-            yield family
+        for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (doc, attr) in table.items():
+                family = kind(f"kvray:{name}", doc, labels=labels)
+                for s in self.workers:
+                    family.add_metric([self.model_name, s.role, s.worker_id], getattr(s, attr))
+                yield family
+        family = HistogramMetricFamily(
+            "kvray:kv_transfer_seconds", "Duration of one KV pull (decode side).", labels=labels
+        )
+        for s in self.workers:
+            counts = s.kv_pull_buckets or [0] * (len(TRANSFER_BUCKETS) + 1)
+            family.add_metric(
+                [self.model_name, s.role, s.worker_id],
+                _buckets(TRANSFER_BUCKETS, counts),
+                s.kv_transfer_seconds,
+            )
+        yield family

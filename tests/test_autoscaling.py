@@ -173,25 +173,33 @@ def test_prompt_burst_grows_the_prefill_pool_only(local_serve, engine_args):
 
 
 @pytest.mark.slow
-def test_pool_workers_rejoin_a_restarted_router(local_serve, engine_args):
-    """Serve replaces a dead Router replica; the pool replicas join the new one from their
-    health checks, and requests flow again."""
+def test_a_router_restart_breaks_no_stream_and_finds_the_workers_again(local_serve, engine_args):
+    """Tokens go from the workers to the ingress, never through the Router: a stream in
+    flight when every Router replica is killed finishes with the right tokens; Serve
+    replaces the replicas, which find the pools' workers again, and new requests flow."""
     from kvray.router.app import build_app
 
     config = {
         "engine": engine_args,
         "disaggregated": False,
         "mixed": {"num_workers": 1, "num_cpus": 0.5, "torch_threads": 1},
+        "router": {"num_replicas": 2},
     }
     ingress = serve.run(build_app(config), name="kvray", route_prefix="/")
     router = serve.get_deployment_handle("kvray-router", app_name="kvray")
     request = {"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    story = {**request, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True}
     try:
         before = router.live_workers.remote().result(timeout_s=30)
         assert ingress.generate.remote(request).result(timeout_s=120)["usage"]["completion_tokens"] == 3
+        want = ingress.generate.remote(story).result(timeout_s=120)["choices"][0]["text"]
+        stream = ingress.options(stream=True).generate_stream.remote(story)
+        pieces = [next(stream)["choices"][0]["text"]]  # streaming: the route was chosen
         for actor in ray.util.list_named_actors(all_namespaces=True):
             if "kvray-router" in actor["name"]:
                 ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        pieces += [chunk["choices"][0]["text"] for chunk in stream if chunk["choices"]]
+        assert "".join(pieces) == want
         deadline = time.monotonic() + 90
         after = {}
         while time.monotonic() < deadline and after != before:

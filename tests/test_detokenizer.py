@@ -146,3 +146,13 @@ def test_visible_text_holds_back_a_possible_stop_string_start(tok):
     plain = IncrementalDetokenizer(tok)
     plain.text = "abc"
     assert plain.visible_text() == "abc"  # no stop strings: nothing held back
+
+
+def test_visible_text_shorter_than_the_hold_shows_nothing(tok):
+    """Text shorter than the hold: a negative slice end would show "abc" of "abcd", which
+    the stop string "abcdef" may still cut away entirely."""
+    detok = IncrementalDetokenizer(tok, stop_strings=["abcdef"])
+    detok.text = "abcd"
+    assert detok.visible_text() == ""
+    detok.text = "xyabcde"  # 7 chars, hold 5: only "xy" can never begin the stop string
+    assert detok.visible_text() == "xy"

@@ -7,13 +7,22 @@ shuts it down. After every scenario no block is used or pinned on any live worke
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from pathlib import Path
+
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from kvray.actors.messages import EngineRequest  # noqa: E402
 from kvray.cluster.local import ensure_ray, launch  # noqa: E402
-from kvray.engine import LLM, SamplingParams  # noqa: E402
-from kvray.router.router import WorkerDiedError  # noqa: E402
+from kvray.engine import (  # noqa: E402
+    LLM,
+    RequestOutputKind,  # noqa: E402
+    SamplingParams,
+)
+from kvray.router.frontend import WorkerDiedError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +89,14 @@ def _deploy(
     )
 
 
+def cluster_tokenizer(engine_args):
+    from kvray.models.loader import load_tokenizer
+
+    return load_tokenizer(Path(engine_args["model"]))
+
+
 def _run_all(cluster, prompts, params=GREEDY):
-    streams = [cluster.router.generate.remote(p, params, f"r{i}") for i, p in enumerate(prompts)]
+    streams = [cluster.front.generate.remote(p, params, f"r{i}") for i, p in enumerate(prompts)]
     finals = []
     for s in streams:
         out = None
@@ -166,9 +181,9 @@ def test_decode_worker_killed_mid_stream(local_ray, engine_args):
     cluster = _deploy(engine_args, decode=2)
     long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     try:
-        streams = [cluster.router.generate.remote(p, long, f"k{i}") for i, p in enumerate(PROMPTS[:4])]
-        firsts = [ray.get(next(s)) for s in streams]  # the prefill's first tokens
-        seconds = [ray.get(next(s)) for s in streams]  # every request is on a decode worker now
+        streams = [cluster.front.generate.remote(p, long, f"k{i}") for i, p in enumerate(PROMPTS[:4])]
+        firsts = [ray.get(next(s)) for s in streams]  # the first token, from the decode worker
+        seconds = [ray.get(next(s)) for s in streams]  # decoding there: every pull is done
         assert all(len(f.outputs[0].token_ids) == 1 for f in firsts)
         assert all(not s.finished and len(s.outputs[0].token_ids) >= 2 for s in seconds)
         victim = "decode-0"
@@ -185,7 +200,10 @@ def test_decode_worker_killed_mid_stream(local_ray, engine_args):
                 assert victim in str(e)
                 failed += 1
         assert failed >= 1 and finished >= 1
-        assert ray.get(cluster.router.live_workers.remote())["decode"] == ["decode-1"]
+        deadline = time.monotonic() + 10  # the router's health check finds it gone
+        while ray.get(cluster.router.live_workers.remote())["decode"] != ["decode-1"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         after = _run_all(cluster, PROMPTS[:2])  # new traffic goes to the live decode worker
         assert all(f.finished for f in after)
         _assert_clean(cluster)  # the prefill side leaked nothing
@@ -197,7 +215,7 @@ def test_prefill_worker_killed(local_ray, engine_args, offline):
     cluster = _deploy(engine_args, prefill=2)
     try:
         ray.kill(cluster.workers["prefill-0"][1])
-        finals = _run_all(cluster, PROMPTS)
+        finals = _run_all(cluster, PROMPTS)  # those routed to the dead one are retried
         assert [f.outputs[0].token_ids for f in finals] == offline
         assert ray.get(cluster.router.live_workers.remote())["prefill"] == ["prefill-1"]
         _assert_clean(cluster)
@@ -211,13 +229,22 @@ def test_sharded_prefill_gone_before_the_pull_recomputes_on_the_decode_side(loca
     cluster = _deploy(engine_args, prefill_engine={"tensor_parallel_size": 2})
     try:
         prefill, decode = cluster.workers["prefill-0"][1], cluster.workers["decode-0"][1]
-        handoff = ray.get(prefill.prefill.remote("gone", PROMPTS[0], GREEDY))
+        ids = cluster_tokenizer(engine_args)(PROMPTS[0]).input_ids
+        params = dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+        req = EngineRequest("gone", ids, params, destination="test-front")
+        handoff = ray.get(prefill.prefill.remote(req))
         assert handoff.ticket is not None
         ray.kill(prefill)
-        final = None
-        for ref in decode.decode.remote("gone", GREEDY, handoff, prefill):
-            final = ray.get(ref)
-        assert final.outputs[0].token_ids == offline[0]
+        stream = decode.outputs.options(num_returns="streaming").remote("test-front")
+        ray.get(decode.decode.remote(req, handoff, prefill))
+        tokens = []
+        for ref in stream:
+            for delta in ray.get(ref):
+                tokens += delta.token_ids
+            if delta.finish_reason is not None:
+                break
+        ray.cancel(stream)
+        assert tokens == offline[0]
         stats = ray.get(decode.stats.remote())
         assert stats.kv_recomputes == 1 and stats.used_blocks == 0
     finally:

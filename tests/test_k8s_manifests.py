@@ -195,16 +195,20 @@ def test_serve_config_builds_the_gpu_preset_with_kvray():
 
 # ---- Grafana ------------------------------------------------------------------------------
 
-SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-
 
 def exposed_kvray_names() -> set[str]:
-    """The sample names kvray's /metrics can serve (the Router's registry, rendered by
-    prometheus_client: counters gain _total, histograms _bucket/_sum/_count)."""
-    from kvray.router.metrics import RouterMetrics
+    """The sample names kvray's /metrics can serve (what `render` gives for a worker and
+    the request numbers, parsed back: counters carry _total, histograms _bucket/_sum/_count)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    families = RouterMetrics("m").registry.collect()
-    return {f.name + suffix for f in families for suffix in SAMPLE_SUFFIXES[f.type]}
+    from kvray.actors.messages import WorkerStats
+    from kvray.router import metrics
+
+    worker = WorkerStats("decode-0", "decode", 0, 0, 0.0, 0, 0, 0, 0.0)
+    stats = metrics.RequestStats()
+    stats.finish(metrics.RequestTimer(stats, num_prompt_tokens=1), "stop")
+    text = metrics.render("m", stats.snapshot(), [worker]).decode()
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def test_grafana_dashboard_queries_kvray_metrics():

@@ -19,7 +19,9 @@ def test_presets_validate_and_build(preset, disaggregated):
     assert config.disaggregated is disaggregated
     assert config.engine["dtype"] == "float32"
     pools = [config.prefill, config.decode] if disaggregated else [config.mixed]
-    assert all(p.num_workers == 1 and p.num_cpus <= 1 and p.torch_threads == 1 for p in pools)
+    assert all(p.num_workers == 1 and p.num_cpus <= 1 for p in pools)
+    assert sum(p.torch_threads for p in pools) == 2  # the 2-core machine's cores, no more
+    assert config.router.num_replicas == 2  # the control plane survives a replica
     if disaggregated:
         assert config.kv_transfer.connector == "torch_dist"
     assert build_app(preset) is not None

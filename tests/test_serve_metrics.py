@@ -1,8 +1,9 @@
-"""The Serve app's own metrics, without Ray: queue time (scheduler -> RequestOutput -> router)
-and the per-pull `kvray:kv_transfer_seconds` histogram.
+"""The Serve app's own metrics, without Ray: queue time (scheduler -> RequestOutput -> the
+front), the request metrics a front records from its workers' deltas, their merge over
+ingress replicas, and the per-pull `kvray:kv_transfer_seconds` histogram.
 
-The Router runs in-process against fake worker handles (`handle.method.remote(...)` returns
-what a Ray handle's await would give), so every number is hand-checkable.
+The Frontend runs in-process against fake Router and worker handles (`handle.method.remote(...)`
+returns what a Ray handle's await would give), so every number is hand-checkable.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvray.actors.worker import PrefillResult, WorkerStats
-from kvray.engine import CompletionOutput, RequestOutput, SamplingParams
+from kvray.actors.messages import TRANSFER_BUCKETS, Delta, PrefillResult, WorkerStats
+from kvray.configs import DeploymentConfig
+from kvray.engine import RequestOutput, SamplingParams
 from kvray.engine.kv_cache_manager import KVCacheManager
 from kvray.engine.output_processor import OutputProcessor
-from kvray.engine.outputs import RequestMetrics
 from kvray.engine.request import Request
 from kvray.engine.scheduler import Scheduler
-from kvray.router.router import Router
+from kvray.router import metrics
+from kvray.router.frontend import Frontend
 
 BS = 4
 MODEL = "test-model"
@@ -80,7 +82,7 @@ def test_outputs_carry_the_queue_time_of_the_first_scheduled_sample(smollm2_toke
     assert RequestOutput("x", None, [1], [], finished=False).metrics is None  # optional
 
 
-# ---- router: fake workers --------------------------------------------------------------------
+# ---- the front: fake router and workers -------------------------------------------------------
 
 
 class _Method:
@@ -89,69 +91,56 @@ class _Method:
     def __init__(self, fn):
         self.remote = fn
 
+    def options(self, **_):
+        return self
+
 
 async def _ready(value):
     return value
 
 
 class FakeWorker:
-    def __init__(self, worker_id: str, role: str, queue_time: float = 0.0):
-        self.worker_id, self.role = worker_id, role
-        self.queue_time = queue_time
-        self.finished_pulls: list[float] = []  # drained by stats(), as EngineWorker does
-        self.stats = _Method(self._stats)
-        self.generate = _Method(self._generate)
-        self.prefill = _Method(self._prefill)
-        self.decode = _Method(self._decode)
-        self.abort = _Method(lambda rid: _ready(None))
+    """Answers like an EngineWorker: three tokens per request, as deltas on its stream; the
+    first delta says the engine's queue time, the last what the request cost here."""
 
-    async def _stats(self) -> WorkerStats:
-        durations, self.finished_pulls = self.finished_pulls, []
-        return WorkerStats(
-            worker_id=self.worker_id,
-            role=self.role,
-            num_running=0,
-            num_waiting=0,
-            kv_usage=0.0,
-            used_blocks=0,
-            pinned=0,
-            kv_transfer_bytes=0,
-            kv_transfer_seconds=sum(durations),
-            kv_pull_durations=durations,
-            kv_recomputes=0,
-            prefix_queries=0,
-            prefix_hits=0,
+    def __init__(self, worker_id: str, role: str, queue_time: float = 0.0, cost: float = 0.0):
+        self.worker_id, self.role = worker_id, role
+        self.queue_time, self.cost = queue_time, cost
+        self.pending: asyncio.Queue = asyncio.Queue()
+        self.outputs = _Method(self._outputs)
+        self.generate = _Method(lambda req: self._start(req.request_id))
+        self.decode = _Method(lambda req, handoff, prefill: self._start(req.request_id))
+        self.prefill = _Method(self._prefill)
+        self.abort = _Method(lambda rid: _ready(None))
+        self.release_kv = _Method(lambda rid: _ready(True))
+
+    def _outputs(self, destination: str):
+        async def stream():
+            while True:
+                yield _ready(await self.pending.get())
+
+        return stream()
+
+    def _start(self, rid: str):
+        first = {"queue_seconds": self.queue_time, "num_cached_tokens": 0}
+        self.pending.put_nowait([Delta(rid, [11], "a", None, None, None, first)])
+        self.pending.put_nowait([Delta(rid, [12, 13], "bc", None, "length", None, {"cost_usd": self.cost})])
+        return _ready(None)
+
+    def _prefill(self, req):
+        return _ready(
+            PrefillResult(req.request_id, 11, None, None, 0, queue_seconds=self.queue_time, cost_usd=0.5)
         )
 
-    def _metrics(self) -> RequestMetrics:
-        return RequestMetrics(arrival_time=100.0, first_scheduled_time=100.0 + self.queue_time)
 
-    def _outputs(self, rid: str, tokens: list[int]):
-        """Cumulative outputs, one token more each, as refs (awaitables)."""
+class FakeRouter:
+    def __init__(self, workers: list[FakeWorker]):
+        self.route = _Method(self._route)
+        self.workers = workers
 
-        async def gen():
-            for n in range(1, len(tokens) + 1):
-                done = n == len(tokens)
-                c = CompletionOutput(0, "", tokens[:n], finish_reason="length" if done else None)
-                yield _ready(RequestOutput(rid, None, [1, 2], [c], done, metrics=self._metrics()))
-
-        return gen()
-
-    def _generate(self, rid, prompt, params):
-        return self._outputs(rid, [11, 12, 13])
-
-    def _prefill(self, rid, prompt, params):
-        handoff = PrefillResult(rid, None, prompt["prompt_token_ids"], 11, None, None, 0)
-        handoff.metrics = self._metrics()  # the field PrefillResult carries to the router
-        return _ready(handoff)
-
-    def _decode(self, rid, params, handoff, prefill):
-        return self._outputs(rid, [11, 12, 13])
-
-
-def _router(smollm2_path, workers: list[FakeWorker], disaggregated: bool) -> Router:
-    config = {"engine": {"model": str(smollm2_path)}, "disaggregated": disaggregated}
-    return Router(config, [(w.worker_id, w.role, w) for w in workers], MODEL)
+    def _route(self, role, key=None, exclude=()):
+        w = next(w for w in self.workers if w.role == role and w.worker_id not in exclude)
+        return _ready((w.worker_id, w))
 
 
 def _samples(text: bytes) -> dict:
@@ -162,50 +151,70 @@ def _samples(text: bytes) -> dict:
     }
 
 
-async def _run(router: Router, rid: str) -> RequestOutput:
-    final = None
-    async for final in router.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3), rid):  # noqa: B007
-        pass
-    return final
+LABELS = (("model_name", MODEL),)
 
 
 @pytest.mark.parametrize("disaggregated", [False, True])
-def test_queue_time_is_observed_once_from_the_engine_that_ran_the_prompt(smollm2_path, disaggregated):
+def test_queue_time_is_observed_once_from_the_engine_that_ran_the_prompt(disaggregated):
     if disaggregated:  # the prefill worker's queue time counts, not the decode worker's
-        workers = [FakeWorker("prefill-0", "prefill", 0.5), FakeWorker("decode-0", "decode", 3.0)]
+        workers = [FakeWorker("prefill-0", "prefill", 0.5), FakeWorker("decode-0", "decode", 3.0, cost=0.25)]
     else:
-        workers = [FakeWorker("mixed-0", "mixed", 0.25)]
-    router = _router(smollm2_path, workers, disaggregated)
+        workers = [FakeWorker("mixed-0", "mixed", 0.25, cost=0.25)]
+    front = Frontend(FakeRouter(workers), DeploymentConfig(disaggregated=disaggregated), "front-0")
 
     async def run():
+        texts = []
         for i in range(2):
-            assert (await _run(router, f"r{i}")).finished
-        return await router.metrics_text()
+            async for out in front.generate(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=3)):  # noqa: B007 (keep the last)
+                pass
+            texts.append((out.text, list(out.token_ids), out.finish_reason))
+        return texts
 
-    samples = _samples(asyncio.run(run()))
-    labels = (("model_name", MODEL),)
-    assert samples[("kvray:request_queue_time_seconds_count", labels)] == 2
+    assert asyncio.run(run()) == [("abc", [11, 12, 13], "length")] * 2
+    samples = _samples(metrics.render(MODEL, front.stats.snapshot(), []))
+    assert samples[("kvray:request_queue_time_seconds_count", LABELS)] == 2
     want = 0.5 if disaggregated else 0.25
-    assert samples[("kvray:request_queue_time_seconds_sum", labels)] == pytest.approx(2 * want)
-    assert samples[("kvray:time_to_first_token_seconds_count", labels)] == 2
+    assert samples[("kvray:request_queue_time_seconds_sum", LABELS)] == pytest.approx(2 * want)
+    assert samples[("kvray:time_to_first_token_seconds_count", LABELS)] == 2
+    assert samples[("kvray:inter_token_latency_seconds_count", LABELS)] == 4  # 2 tokens after the first
+    assert samples[("kvray:generation_tokens_total", LABELS)] == 6
+    assert samples[("kvray:prompt_tokens_total", LABELS)] == 6
+    assert samples[("kvray:request_success_total", (("finished_reason", "length"), *LABELS))] == 2
+    # the cost of every worker a request used: prefill's 0.5 + decode's 0.25, or mixed's 0.25
+    assert samples[("kvray:request_cost_usd_sum", LABELS)] == pytest.approx(
+        2 * (0.75 if disaggregated else 0.25)
+    )
 
 
-def test_each_kv_pull_is_observed_once_whoever_reads_the_stats(smollm2_path):
-    decode = FakeWorker("decode-0", "decode")
-    router = _router(smollm2_path, [FakeWorker("prefill-0", "prefill"), decode], True)
+def test_fronts_merge_into_one_app_and_counts_add_up():
+    a, b = metrics.RequestStats(), metrics.RequestStats()
+    a.observe("time_to_first_token_seconds", 0.02)
+    b.observe("time_to_first_token_seconds", 3.0)
+    b.observe("time_to_first_token_seconds", 0.02)
+    for stats, reason in ((a, "stop"), (b, "stop"), (b, "length")):
+        stats.finish(metrics.RequestTimer(stats, num_prompt_tokens=10), reason)
+    merged = metrics.merge([a.snapshot(), b.snapshot()])
+    samples = _samples(metrics.render(MODEL, merged, []))
+    bucket = "kvray:time_to_first_token_seconds_bucket"
+    assert samples[(bucket, (("le", "0.025"), *LABELS))] == 2
+    assert samples[(bucket, (("le", "2.5"), *LABELS))] == 2
+    assert samples[(bucket, (("le", "+Inf"), *LABELS))] == 3
+    assert samples[("kvray:time_to_first_token_seconds_sum", LABELS)] == pytest.approx(3.04)
+    assert samples[("kvray:request_success_total", (("finished_reason", "stop"), *LABELS))] == 2
+    assert samples[("kvray:request_success_total", (("finished_reason", "length"), *LABELS))] == 1
+    assert samples[("kvray:prompt_tokens_total", LABELS)] == 30
 
-    async def run():
-        decode.finished_pulls += [0.004]
-        await router.check_health()  # the health loop's read drains it
-        decode.finished_pulls += [0.02, 0.3]
-        first = await router.metrics_text()
-        decode.finished_pulls += [2.0]
-        await router.worker_stats()
-        return first, await router.metrics_text()
 
-    first, last = (_samples(t) for t in asyncio.run(run()))
+def test_each_kv_pull_is_counted_once_in_the_workers_histogram():
+    counts = [0] * (len(TRANSFER_BUCKETS) + 1)
+    for seconds in (0.004, 0.02, 0.3, 2.0):  # what a worker's KVPuller records
+        counts[sum(b < seconds for b in TRANSFER_BUCKETS)] += 1
+    stats = WorkerStats(
+        "decode-0", "decode", 0, 0, 0.0, 0, 0, 0, kv_transfer_seconds=2.324, kv_pull_buckets=counts
+    )
     labels = (("model_name", MODEL), ("role", "decode"), ("worker", "decode-0"))
-    assert first[("kvray:kv_transfer_seconds_count", labels)] == 3
+    for _ in range(2):  # reading twice (two scrapes, two Router replicas) changes nothing
+        last = _samples(metrics.render(MODEL, metrics.RequestStats().snapshot(), [stats]))
     assert last[("kvray:kv_transfer_seconds_count", labels)] == 4
     assert last[("kvray:kv_transfer_seconds_sum", labels)] == pytest.approx(2.324)
     for le, count in (("0.005", 1), ("0.5", 3), ("+Inf", 4)):

@@ -49,7 +49,7 @@ def offline(engine_args):
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     completions = [o.outputs[0] for o in llm.generate(PROMPTS, greedy)]
     chat = llm.chat(CHAT, greedy)[0].outputs[0]
-    return {"completions": completions, "chat": chat, "tokenizer": llm.tokenizer}
+    return {"completions": completions, "chat": chat, "tokenizer": llm.tokenizer, "llm": llm}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,9 @@ def server(tmp_path_factory, engine_args):
         "max_queued_requests": MAX_QUEUED,
     }
     serve.run(build_app(config), name="kvray", route_prefix="/")
+    # the colocated preset's shape beside it: one mixed worker, its own app and route
+    colo = {**config, "app_name": "colo", "disaggregated": False, "mixed": pool}
+    serve.run(build_app(colo), name="colo", route_prefix="/colo")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     if started:
@@ -145,6 +148,38 @@ def test_completions_match_offline_streamed_and_not(client, offline):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+
+
+def _stops(tokenizer, token_ids: list[int]) -> dict[str, str]:
+    """Stop strings on a greedy answer: the first token's text, a word in mid text, and a
+    string across two tokens (two characters of each)."""
+    pieces = [tokenizer.decode([t]) for t in token_ids]
+    text = "".join(pieces)
+    i = next(i for i in range(2, len(pieces) - 1) if len(pieces[i].strip()) >= 2 and len(pieces[i + 1]) >= 2)
+    across = pieces[i][-2:] + pieces[i + 1][:2]
+    assert text.find(across) == len("".join(pieces[: i + 1])) - 2  # nowhere earlier
+    word = next(p.strip() for p in pieces[2:] if len(p.strip()) >= 3)
+    return {"first token": pieces[0], "mid text": word, "across tokens": across}
+
+
+@pytest.mark.parametrize("route", ["", "/colo"], ids=["pd", "colocated"])
+def test_streamed_text_equals_non_streamed_under_stop_strings(server, offline, route):
+    """The first token obeys the stop strings too (it comes from the prefill worker when
+    disaggregated); each answer equals the offline engine's with the same stop string."""
+    tok = offline["tokenizer"]
+    c = openai.OpenAI(base_url=f"{server}{route}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    llm = offline["llm"]
+    for prompt, full in zip(PROMPTS[:2], offline["completions"][:2]):
+        for what, stop in _stops(tok, full.token_ids).items():
+            want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[
+                0
+            ].outputs[0]
+            kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+            plain = c.completions.create(**kwargs).choices[0]
+            chunks = [ch for ch in c.completions.create(**kwargs, stream=True) if ch.choices]
+            streamed = "".join(ch.choices[0].text for ch in chunks)
+            assert plain.text == streamed == want.text, (what, stop, plain.text, streamed)
+            assert plain.finish_reason == chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
 def test_prompt_lists_token_ids_and_n(client, offline):
@@ -323,3 +358,46 @@ def test_readme_handle_example_runs(server):
     assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] > 0
     assert "".join(namespace["pieces"]) == body["choices"][0]["text"]
     json.dumps(body)
+
+
+def test_bench_serve_against_the_server_counts_what_metrics_counted(server, http, tmp_path, monkeypatch):
+    """`kvray bench serve` (vLLM's flags and result keys) against this server: what it
+    completed and the tokens it got are what /metrics counted meanwhile."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    bench = importlib.import_module("serve")
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    before = _metrics(http)
+    argv = [
+        "--base-url", server, "--model", MODEL, "--tokenizer", str(offline_path()),
+        "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "6",
+        "--num-prompts", "6", "--max-concurrency", "3", "--ignore-eos", "--seed", "1",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm",
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    for key in ("duration", "completed", "request_throughput", "output_throughput", "mean_ttft_ms",
+                "p99_itl_ms", "median_tpot_ms", "p90_e2el_ms", "input_lens", "output_lens"):  # fmt: skip
+        assert key in result, key
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 36
+    deadline = time.monotonic() + 10  # other replicas publish their metrics every second
+    while True:
+        after = _metrics(http)
+        done = _total(after, "kvray:request_success_total") - _total(before, "kvray:request_success_total")
+        if done >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert done == result["completed"]
+    gen = _total(after, "kvray:generation_tokens_total") - _total(before, "kvray:generation_tokens_total")
+    assert gen == result["total_output_tokens"]
+    prompt = _total(after, "kvray:prompt_tokens_total") - _total(before, "kvray:prompt_tokens_total")
+    assert prompt == result["total_input_tokens"]
+
+
+def offline_path():
+    from kvray.models.loader import resolve_model_path
+
+    return resolve_model_path(MODEL)

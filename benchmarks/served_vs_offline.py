@@ -1,0 +1,112 @@
+"""Served against offline: the same load through `kvray serve` (each preset) and through the
+offline engine, in one run, plus any other OpenAI-compatible servers (llama.cpp, vLLM).
+
+Load (kvray's reference mix, `kvray bench serve --dataset-name mix`): 32 requests, prompts
+32-384 tokens of English words, outputs 16-160 tokens, ignore_eos, greedy, streamed, 16
+concurrent clients. Offline: `LLM.generate` on the same prompts with 2 torch threads.
+Useful tok/s = the output tokens the requests asked for / wall time.
+
+    python benchmarks/served_vs_offline.py [--presets smollm2-cpu,smollm2-cpu-pd]
+        [--baseline-src DIR]              # also serve the presets from another kvray tree
+        [--external NAME=URL[@MODEL] ...] # e.g. llama.cpp=http://127.0.0.1:8091
+        [--save FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from serve_datasets import DatasetArgs, WordVocab, sample_requests
+from serve_harness import Server, cpu_banner, run_load
+
+MODEL = "smollm2-135m-instruct"
+
+
+def offline(requests, threads: int) -> float:
+    from kvray.engine import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=2048)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in requests
+    ]
+    llm.generate([r.prompt for r in requests[:4]], params[:4])  # warm up
+    start = time.perf_counter()
+    llm.generate([r.prompt for r in requests], params)
+    return sum(r.expected_output_len for r in requests) / (time.perf_counter() - start)
+
+
+def bench_args(args) -> list[str]:
+    return [
+        "--dataset-name", "mix", "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+        "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+
+
+def served(url: str, model: str, args) -> dict:
+    run_load(url, model, [*bench_args(args)[:2], "random", "--random-input-len", "16",
+                          "--random-output-len", "4", "--num-prompts", "4", "--disable-tqdm"])  # fmt: skip
+    return run_load(url, model, bench_args(args))
+
+
+def row(name: str, r: dict, base: float) -> str:
+    tput = r["output_throughput"]
+    return (
+        f"| {name} | {tput:.1f} | {tput / base:.2f} | {r['median_ttft_ms'] / 1e3:.2f} s | "
+        f"{r['median_itl_ms']:.0f} ms | {r['p99_itl_ms']:.0f} ms | {r['completed']}/{r['num_prompts']} |"
+    )
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--presets", default="smollm2-cpu,smollm2-cpu-pd")
+    parser.add_argument("--baseline-src", default=None)
+    parser.add_argument("--external", nargs="*", default=[])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--save", default=None)
+    args = parser.parse_args()
+
+    from kvray.models.loader import load_tokenizer, resolve_model_path
+
+    vocab = WordVocab(load_tokenizer(resolve_model_path(MODEL)))
+    requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=args.seed), vocab)
+    results: dict[str, dict] = {}
+    base = offline(requests, args.threads)
+    print(f"offline ({args.threads} threads): {base:.1f} useful tok/s", flush=True)
+    for preset in args.presets.split(","):
+        for label, src in (("kvray", None), ("baseline", args.baseline_src)):
+            if label == "baseline" and src is None:
+                continue
+            with Server(preset, src, log=f"/tmp/kvray-bench-{label}-{preset}.log") as server:
+                results[f"{label} serve {preset}"] = served(server.url, MODEL, args)
+            print(row(f"{label} serve {preset}", results[f"{label} serve {preset}"], base), flush=True)
+    for spec in args.external:
+        name, _, rest = spec.partition("=")
+        url, _, model = rest.partition("@")
+        results[name] = served(url, model or MODEL, args)
+        print(row(name, results[name], base), flush=True)
+
+    print(f"\n{cpu_banner()}; torch {torch.__version__}; dtype float32")
+    print(f"load: {args.num_prompts} requests, mix (prompts 32-384, outputs 16-160), ignore_eos, greedy, "
+          f"streamed, {args.max_concurrency} concurrent clients\n")  # fmt: skip
+    print("| what | useful tok/s | vs offline | TTFT p50 | ITL p50 | ITL p99 | completed |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| kvray offline `LLM.generate`, {args.threads} threads | {base:.1f} | 1.00 | — | — | — | — |")
+    for name, r in results.items():
+        print(row(name, r, base))
+    if args.save:
+        slim = {k: {m: v for m, v in r.items() if not isinstance(v, list)} for k, r in results.items()}
+        with open(args.save, "w") as f:
+            json.dump({"offline_tok_s": base, "runs": slim, "cpu": cpu_banner()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
