@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from serve_datasets import DatasetArgs, WordVocab, sample_requests
@@ -48,8 +49,8 @@ def bench_args(args) -> list[str]:
 
 
 def served(url: str, model: str, args) -> dict:
-    run_load(url, model, [*bench_args(args)[:2], "random", "--random-input-len", "16",
-                          "--random-output-len", "4", "--num-prompts", "4", "--disable-tqdm"])  # fmt: skip
+    warm = ["--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4"]
+    run_load(url, model, [*warm, "--num-prompts", "4", "--disable-tqdm"])
     return run_load(url, model, bench_args(args))
 
 
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--save", default=None)
+    parser.add_argument("--offline-tok-s", type=float, default=None, help="skip the offline run: use this")
     args = parser.parse_args()
 
     from kvray.models.loader import load_tokenizer, resolve_model_path
@@ -79,13 +81,13 @@ def main() -> None:
     vocab = WordVocab(load_tokenizer(resolve_model_path(MODEL)))
     requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=args.seed), vocab)
     results: dict[str, dict] = {}
-    base = offline(requests, args.threads)
+    base = args.offline_tok_s or offline(requests, args.threads)
     print(f"offline ({args.threads} threads): {base:.1f} useful tok/s", flush=True)
     for preset in args.presets.split(","):
         for label, src in (("kvray", None), ("baseline", args.baseline_src)):
             if label == "baseline" and src is None:
                 continue
-            with Server(preset, src, log=f"/tmp/kvray-bench-{label}-{preset}.log") as server:
+            with Server(preset, src, log=f"/tmp/kvray-bench-{label}-{Path(preset).stem}.log") as server:
                 results[f"{label} serve {preset}"] = served(server.url, MODEL, args)
             print(row(f"{label} serve {preset}", results[f"{label} serve {preset}"], base), flush=True)
     for spec in args.external:

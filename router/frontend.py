@@ -44,46 +44,65 @@ class WorkerDiedError(KvrayError):
 
 
 class _Gone:
-    """Put in a request's queue when its worker's stream ends."""
+    """Put in a request's mailbox when its worker's stream ends."""
 
     def __init__(self, worker_id: str, error: BaseException | None):
         self.worker_id = worker_id
         self.error = error
 
 
+class _Mailbox:
+    """One request's deltas as they arrive; `take` returns all that are there (waiting for
+    at least one), so a reader that fell behind catches up in one piece."""
+
+    def __init__(self):
+        self.items: list[Delta | _Gone] = []
+        self.ready = asyncio.Event()
+
+    def put(self, item: Delta | _Gone) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list[Delta | _Gone]:
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.items = self.items, []
+        return items
+
+
 class _Inbox:
-    """One worker's `outputs` stream into this front, split into per-request queues."""
+    """One worker's `outputs` stream into this front, split into per-request mailboxes."""
 
     def __init__(self, front_id: str, worker_id: str, handle, on_close: Callable[[_Inbox], None]):
         self.worker_id = worker_id
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.mailboxes: dict[str, _Mailbox] = {}
         self.stream = handle.outputs.options(num_returns="streaming").remote(front_id)
         self.on_close = on_close
         self.task = asyncio.ensure_future(self._run())
 
-    def register(self, request_id: str) -> asyncio.Queue:
-        queue = self.queues[request_id] = asyncio.Queue()
-        return queue
+    def register(self, request_id: str) -> _Mailbox:
+        box = self.mailboxes[request_id] = _Mailbox()
+        return box
 
     def unregister(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+        self.mailboxes.pop(request_id, None)
 
     async def _run(self) -> None:
         error = None
         try:
             async for ref in self.stream:
                 for delta in await ref:
-                    queue = self.queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
+                    box = self.mailboxes.get(delta.request_id)
+                    if box is not None:
+                        box.put(delta)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the worker died
             error = e
         finally:
             self.on_close(self)
-            for queue in self.queues.values():
-                queue.put_nowait(_Gone(self.worker_id, error))
+            for box in self.mailboxes.values():
+                box.put(_Gone(self.worker_id, error))
 
     def close(self) -> None:
         ray.cancel(self.stream)
@@ -171,7 +190,7 @@ class Frontend:
             wid, handle = await self._route(role, key, tried)
             touched[wid] = handle
             inbox = self._inbox(wid, handle)
-            queue = inbox.register(req.request_id)
+            box = inbox.register(req.request_id)
             produced = False
             try:
                 try:
@@ -179,19 +198,20 @@ class Frontend:
                 except (*DEAD, WorkerLeavingError):
                     self._retry(tried, wid)
                     continue
-                while True:
-                    item = await queue.get()
-                    if isinstance(item, _Gone):
-                        if produced:
-                            raise WorkerDiedError(
-                                f"{role} worker {wid} died while streaming {req.request_id}"
-                            )
-                        self._retry(tried, wid)
-                        break
-                    produced = True
-                    yield item
-                    if item.finish_reason is not None:
-                        return
+                gone = None
+                while gone is None:
+                    items = await box.take()
+                    deltas = [d for d in items if not isinstance(d, _Gone)]
+                    gone = next((g for g in items if isinstance(g, _Gone)), None)
+                    if deltas:
+                        produced = True
+                        delta = _join(deltas)
+                        yield delta
+                        if delta.finish_reason is not None:
+                            return
+                if produced:
+                    raise WorkerDiedError(f"{role} worker {wid} died while streaming {req.request_id}")
+                self._retry(tried, wid)
             finally:
                 inbox.unregister(req.request_id)
 
@@ -227,6 +247,28 @@ class Frontend:
     def _forget(self, inbox: _Inbox) -> None:
         if self.inboxes.get(inbox.worker_id) is inbox:
             del self.inboxes[inbox.worker_id]
+
+
+def _join(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one request as one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    first, last = deltas[0], deltas[-1]
+    logprobs = None
+    if first.logprobs is not None:
+        logprobs = [entry for d in deltas for entry in d.logprobs or []]
+    info: dict = {}
+    for d in deltas:
+        info.update(d.info or {})
+    return Delta(
+        first.request_id,
+        [t for d in deltas for t in d.token_ids],
+        "".join(d.text for d in deltas),
+        logprobs,
+        last.finish_reason,
+        last.stop_reason,
+        info or None,
+    )
 
 
 def _grow(out: CompletionOutput, delta: Delta) -> None:
