@@ -14,8 +14,9 @@ GET /metrics. Handles: `generate(request)` returns the response body of an OpenA
 dict (chat when it has `messages`), `generate_stream(request)` yields its stream chunks.
 A request with `n` samples or several prompts is fanned out into one engine request per
 choice. A client that goes away aborts its requests on every worker they touched.
-Request metrics are kept by each ingress replica and published to Ray's cluster KV every
-`METRICS_PUBLISH_S`, so /metrics of any replica shows the whole app.
+Request metrics are kept by each ingress replica and published to Ray's cluster KV within
+`METRICS_PUBLISH_S` of each finished request, so /metrics of any replica shows the whole
+app (another replica's latest requests a fraction of a second late).
 """
 
 # No `from __future__ import annotations`: FastAPI must see real types on the (pickled) routes.
@@ -48,7 +49,7 @@ from kvray.router.streams import all_or_none, merge, sse
 
 logger = logging.getLogger(__name__)
 PRESETS = Path(__file__).resolve().parent.parent / "configs"
-METRICS_PUBLISH_S = 1.0  # how often an ingress replica publishes its request metrics
+METRICS_PUBLISH_S = 0.2  # an ingress replica publishes its request metrics this soon after a change
 
 app = FastAPI(title="kvray", description="OpenAI-compatible LLM serving on Ray")
 
@@ -166,12 +167,16 @@ class OpenAIIngress:
         from ray.experimental import internal_kv
 
         key = _metrics_key(self.config.app_name, self.front_id)
+        stats, published = self.frontend.stats, -1
         while True:
             await asyncio.sleep(METRICS_PUBLISH_S)
+            if stats.version == published:
+                continue
             try:
-                snapshot = json.dumps(self.frontend.stats.snapshot()).encode()
+                version, snapshot = stats.version, json.dumps(stats.snapshot()).encode()
                 await asyncio.to_thread(internal_kv._internal_kv_put, key, snapshot, True)
-            except Exception:  # keep publishing; a missed second is caught up by the next
+                published = version
+            except Exception:  # keep publishing; the next change tries again
                 logger.exception("kvray ingress: publishing metrics failed")
 
     # ---- HTTP ---------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Request-level numbers (latencies, queue time, token counts, outcomes, cost) are recorded by
 the front that owns each request (an ingress replica), where its tokens arrive. Each front
-keeps them as plain cumulative numbers (`RequestStats`) and publishes a snapshot every
-second (router/app.py: Ray's cluster KV), so `/metrics` of any replica merges every
+keeps them as plain cumulative numbers (`RequestStats`) and publishes a snapshot after
+each change (router/app.py: Ray's cluster KV, within 0.2 s), so `/metrics` of any replica merges every
 front's numbers (counters and histogram buckets add up). Worker-level numbers (queue
 lengths, KV usage, prefix cache, transfers, preemptions) are read from every live worker's
 `stats()` when `/metrics` is rendered and labelled by `role` and `worker`; each worker
@@ -57,6 +57,7 @@ class RequestStats:
 
     def __init__(self):
         self.data = _empty()
+        self.version = 0  # bumped by every finished request: a publisher sends only news
 
     def observe(self, name: str, value: float, times: int = 1) -> None:
         h = self.data["hist"][name]
@@ -72,6 +73,7 @@ class RequestStats:
         self.data["count"]["generation_tokens"] += timer.num_tokens
         success = self.data["success"]
         success[finish_reason] = success.get(finish_reason, 0) + 1
+        self.version += 1
 
     def snapshot(self) -> dict:
         return self.data

@@ -124,6 +124,7 @@ def test_kvray_serve_answers_then_sigint_stops_everything_it_started(tmp_path, s
             if len(replicas) == 2:
                 break
         assert len(replicas) == 2, replicas
+        time.sleep(1.0)  # the replica that served it publishes its metrics within 0.2 s
         for _ in range(8):  # whichever replica answers, it shows the whole app
             text = _get(f"{base}/metrics")[1].decode()
             assert _metric(text, "kvray:request_success_total") == 1
