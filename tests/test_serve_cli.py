@@ -124,7 +124,10 @@ def test_kvray_serve_answers_then_sigint_stops_everything_it_started(tmp_path, s
             if len(replicas) == 2:
                 break
         assert len(replicas) == 2, replicas
-        time.sleep(1.0)  # the replica that served it publishes its metrics within 0.2 s
+        deadline = time.monotonic() + 10  # the replica that served it publishes within 0.2 s
+        while _metric(_get(f"{base}/metrics")[1].decode(), "kvray:request_success_total") != 1:
+            assert time.monotonic() < deadline, "the other replica's metrics never arrived"
+            time.sleep(0.1)
         for _ in range(8):  # whichever replica answers, it shows the whole app
             text = _get(f"{base}/metrics")[1].decode()
             assert _metric(text, "kvray:request_success_total") == 1
