@@ -7,8 +7,16 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvray.actors.worker import EngineWorker, Role
+from kvray.actors.decode_worker import DecodeWorker
+from kvray.actors.prefill_worker import PrefillWorker
+from kvray.actors.worker import EngineWorker, MixedWorker, Role
 from kvray.configs import DeploymentConfig, KVTransferConfig, PoolConfig
+
+WORKER_CLASSES: dict[Role, type[EngineWorker]] = {
+    "prefill": PrefillWorker,
+    "decode": DecodeWorker,
+    "mixed": MixedWorker,
+}
 
 
 def worker_bundles(engine: dict, pool: PoolConfig) -> list[dict]:
@@ -34,7 +42,7 @@ def start_worker_in(
 ):
     """The worker's driver actor in bundle 0 of `pg` (its other shards take the rest)."""
     return (
-        ray.remote(EngineWorker)
+        ray.remote(WORKER_CLASSES[role])
         .options(
             name=name,
             num_cpus=pool.num_cpus,
@@ -44,7 +52,6 @@ def start_worker_in(
         )
         .remote(
             worker_id,
-            role,
             engine,
             kv.model_dump(),
             pool.torch_threads,

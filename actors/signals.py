@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from kvray.engine.llm_engine import EngineStats
+
 WINDOW_S = 30.0
 
 
@@ -26,16 +28,13 @@ class RecentMean:
         return sum(v for _, v in self.samples) / len(self.samples) if self.samples else 0.0
 
 
-def engine_load(engine) -> dict[str, float]:
-    """Queue signals of an engine (read on its loop thread): prompt tokens not yet
-    computed, requests admitted or waiting, the share of KV blocks in use, and the KV
-    handoffs it holds (prefilled prompts pinned for a decode worker, pulls arriving)."""
-    sched = engine.scheduler
-    requests = [*sched.waiting, *sched.running]
-    queued = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests)
+def engine_load(stats: EngineStats) -> dict[str, float]:
+    """Queue signals of an engine: prompt tokens not yet computed, requests admitted or
+    waiting, the share of KV blocks in use, and the KV handoffs it holds (prefilled
+    prompts pinned for a decode worker, pulls arriving)."""
     return {
-        "queued_prompt_tokens": float(queued),
-        "running_requests": float(len(requests)),
-        "kv_cache_usage": float(engine.kv_cache_stats().usage),
-        "kv_handoffs": float(len(engine.pins) + len(engine.kv_pulls)),
+        "queued_prompt_tokens": float(stats.queued_prompt_tokens),
+        "running_requests": float(stats.num_running + stats.num_waiting),
+        "kv_cache_usage": float(stats.kv.usage),
+        "kv_handoffs": float(stats.num_pinned + stats.num_pulling),
     }

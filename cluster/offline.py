@@ -1,6 +1,6 @@
 """The offline `LLM` when the model is sharded (tensor/pipeline parallel > 1).
 
-The shards are the same Ray actors a serving worker uses: one `EngineWorker` (the group's
+The shards are the same Ray actors a serving worker uses: one `MixedWorker` (the group's
 driver, rank 0) in its placement group starts the others. A local Ray is started when
 none is running (and stopped again by `close`).
 """

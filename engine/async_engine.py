@@ -19,8 +19,12 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
+import torch
+
+from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
-from kvray.engine.llm_engine import LLMEngine, PromptInput
+from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
+from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.sampling_params import SamplingParams
 
@@ -151,6 +155,54 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the stream ends with a finished `abort` output."""
         self._send(("abort", request_id))
+
+    # ---- what a worker may see of the engine (nothing else reaches inside) ------------
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[num_layers, 2, num_blocks, block_size, Hkv, D]: what KV transfers read and write."""
+        return self.engine.runner.kv_cache
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.engine.kv_layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def pins(self) -> PinTable:
+        """Prefilled prompts' pinned blocks (thread-safe: transfers read it)."""
+        return self.engine.pins
+
+    @property
+    def model_limits(self) -> dict[str, int]:
+        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.hf_config.vocab_size}
+
+    async def stats(self) -> EngineStats:
+        return await self.call(self.engine.stats)
+
+    async def kv_cache_stats(self) -> KVCacheStats:
+        return await self.call(self.engine.kv_cache_stats)
+
+    async def validate(self, prompts: list[PromptInput], params: list[SamplingParams]) -> None:
+        """Raise the engine's error for the first bad (prompt, params); queue nothing."""
+
+        def check() -> None:
+            for prompt, p in zip(prompts, params):
+                self.engine.validate(self.engine.tokenize(prompt)[1], p)
+
+        await self.call(check)
+
+    async def kv_ticket(self, worker_id: str, request_id: str) -> KVTicket | None:
+        return await self.call(self.engine.kv_ticket, worker_id, request_id)
+
+    async def release_kv(self, request_id: str) -> bool:
+        return await self.call(self.engine.release_kv, request_id)
+
+    async def finish_kv_pull(self, request_id: str, ok: bool) -> None:
+        await self.call(self.engine.finish_kv_pull, request_id, ok)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)

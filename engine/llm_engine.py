@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
 from kvray.engine.kv_cache_manager import KVCacheManager
+from kvray.engine.kv_connector import DecodeHandoff, PrefillHandoff
 from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, kv_layout_of
 from kvray.engine.model_runner import build_runner
 from kvray.engine.output_processor import OutputProcessor
@@ -36,6 +38,22 @@ class StepStats:
     num_batched_tokens: int
     num_running: int
     num_waiting: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a worker reports of its engine (read between steps)."""
+
+    num_running: int
+    num_waiting: int
+    queued_prompt_tokens: int  # prompt tokens admitted or waiting, not yet computed
+    kv: KVCacheStats
+    num_pinned: int  # prefilled prompts held for a decode worker's pull
+    num_pulling: int  # prompts whose KV is arriving here
+    num_kv_recomputes: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
 
 
 class LLMEngine:
@@ -75,19 +93,21 @@ class LLMEngine:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # the two halves of a KV hand-off: prompts held for a decode worker's pull (the
+        # scheduler asks it at each finish), and pulls arriving into blocks reserved here
+        self.handoff = PrefillHandoff(self.kv, config.block_size)
+        self.pulls = DecodeHandoff()
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             config.scheduling_policy,
+            connector=self.handoff,
         )
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = self._eos_ids(hf_config, model_path, tokenizer)
         self.last_step: StepStats | None = None
-        self.pins = PinTable()  # prefill side: prompt blocks awaiting a decode worker's pull
-        self.kv_pulls: dict[str, Request] = {}  # decode side: requests whose KV is arriving
-        self.num_kv_recomputes = 0  # decode side: pulls that failed, prompts recomputed here
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), e.g. by adds
 
     def shutdown(self) -> None:
@@ -149,7 +169,8 @@ class LLMEngine:
         when it finishes, its blocks stay pinned for that long (see `kv_ticket`)."""
         samples = self._make_samples(request_id, prompt, params, priority, deadline)
         for s in samples:
-            s.kv_lease = kv_lease
+            if kv_lease is not None:
+                self.handoff.expect(s.request_id, kv_lease)
             self.scheduler.add_request(s)
 
     def _make_samples(self, request_id, prompt, params, priority, deadline) -> list[Request]:
@@ -157,7 +178,7 @@ class LLMEngine:
         self.validate(ids, params)
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys() | self.pins.pins.keys()
-        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.kv_pulls:
+        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls.pulls:
             raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
         group = SampleGroup(params.n) if params.n > 1 else None
         now = time.monotonic()
@@ -189,7 +210,7 @@ class LLMEngine:
             samples = self.outputs.samples_of(rid)
             if not samples:
                 continue
-            pulling = self.kv_pulls.get(rid)
+            pulling = self.pulls.get(rid)
             if pulling is not None:
                 # A transfer may still be writing into its blocks: they are freed when the
                 # pull reports back (finish_kv_pull), never before.
@@ -203,7 +224,7 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.kv_pulls)
+        return self.scheduler.has_unfinished() or bool(self.pulls)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -234,20 +255,28 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             if req.finished:
                 self.runner.forget(req.request_id)
-                if req.pinned_blocks is not None:
-                    self.pins.add(
-                        req.request_id,
-                        req.pinned_blocks,
-                        time.time() + req.kv_lease,
-                        req.num_prompt_tokens,
-                        tuple(req.block_hashes),
-                    )
             touched[self.outputs.parent_of(req.request_id)] = None
         outputs = (self.outputs.output(rid) for rid in touched)  # None: FINAL_ONLY, running
         return pending + [o for o in outputs if o is not None]
 
-    def kv_cache_stats(self):
+    def kv_cache_stats(self) -> KVCacheStats:
         return self.kv.stats()
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        requests = [*sched.waiting, *sched.running]
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            queued_prompt_tokens=sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests),
+            kv=self.kv.stats(),
+            num_pinned=len(self.handoff),
+            num_pulling=len(self.pulls),
+            num_kv_recomputes=self.pulls.num_recomputes,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+        )
 
     def take_pending_outputs(self) -> list[RequestOutput]:
         pending, self.pending_outputs = self.pending_outputs, []
@@ -259,32 +288,21 @@ class LLMEngine:
     def kv_layout(self) -> KVLayout:
         return kv_layout_of(self.hf_config, self.runner.spec, self.config.block_size, self.dtype)
 
+    @property
+    def pins(self) -> PinTable:
+        """Prefilled prompts' blocks pinned for a pull (readable from any thread)."""
+        return self.handoff.pins
+
     def kv_ticket(self, worker_id: str, request_id: str) -> KVTicket | None:
         """The ticket of a finished prefill (None if its blocks are not pinned)."""
-        pin = self.pins.pins.get(request_id)
-        if pin is None:
-            return None
-        return KVTicket(
-            worker_id,
-            request_id,
-            tuple(pin.blocks),
-            pin.num_tokens,
-            pin.block_hashes[: pin.num_tokens // self.config.block_size],
-            self.kv_layout,
-            pin.deadline,
-        )
+        return self.handoff.ticket(worker_id, request_id, self.kv_layout)
 
     def release_kv(self, request_id: str) -> bool:
         """The decode side has the blocks (or gave up): unpin them. Engine thread only."""
-        blocks = self.pins.pop(request_id)
-        if blocks is None:
-            return False
-        self.kv.release(blocks)
-        return True
+        return self.handoff.release(request_id)
 
     def expire_kv_leases(self) -> None:
-        for rid in self.pins.expired(time.time()):
-            self.release_kv(rid)
+        self.handoff.expire(time.time())
 
     # ---- disaggregation: the decode side ------------------------------------------------
 
@@ -322,15 +340,15 @@ class LLMEngine:
         # not indexed in the prefix cache until the data has arrived (finish_kv_pull)
         blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
         if blocks is None:  # no room right now: recompute when blocks free up
-            self.num_kv_recomputes += 1
+            self.pulls.num_recomputes += 1
             self.scheduler.add_request(req)
             return None
-        self.kv_pulls[request_id] = req
+        self.pulls.begin(req)
         return blocks
 
     def finish_kv_pull(self, request_id: str, ok: bool) -> None:
         """The pull into the reserved blocks finished (ok) or failed (recompute here)."""
-        req = self.kv_pulls.pop(request_id, None)
+        req = self.pulls.finish(request_id)
         if req is None:
             return
         if req.finished:  # aborted while the pull was writing: now its blocks can go
@@ -341,6 +359,10 @@ class LLMEngine:
             self.kv.allocate_slots(req, 0)  # indexes the pulled full blocks for prefix reuse
             self.scheduler.add_running(req)
         else:
-            self.num_kv_recomputes += 1
+            self.pulls.num_recomputes += 1
             self.kv.free(req)
             self.scheduler.add_request(req)
+
+    @property
+    def num_kv_recomputes(self) -> int:
+        return self.pulls.num_recomputes

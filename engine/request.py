@@ -56,7 +56,6 @@ class Request:
     sample_index: int = 0  # which of the group's n samples
     group: SampleGroup | None = None
     extra_keys: tuple = ()  # salts the block hashes (e.g. adapter or cache salt)
-    kv_lease: float | None = None  # prefill for a decode worker: pin blocks this long at finish
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -70,7 +69,6 @@ class Request:
     # per generated token: (sampled logprob, {token_id: (logprob, rank)}) when logprobs asked
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    pinned_blocks: list[int] | None = None  # set when it finished with its blocks pinned
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

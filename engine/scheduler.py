@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvray.engine.kv_cache_manager import KVCacheManager
+from kvray.engine.kv_connector import KVConnectorScheduler
 from kvray.engine.request import Request, RequestStatus
 
 Policy = Literal["fcfs", "priority", "deadline"]
@@ -54,8 +55,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: Policy = "fcfs",
+        connector: KVConnectorScheduler | None = None,
     ):
+        """`connector`: asked at each finish whether the request's blocks must be held
+        (a prefill whose KV a decode worker will pull)."""
         self.kv = kv_cache
+        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -188,8 +193,11 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = status
-        if req.kv_lease is not None and status is not RequestStatus.FINISHED_ABORTED:
-            req.pinned_blocks = self.kv.detach(req)  # a decode worker will pull them
+        held = self.connector is not None and self.connector.request_finished(
+            req, self.kv.block_ids(req.request_id)
+        )
+        if held:
+            self.kv.detach(req)  # the connector owns the blocks now
         else:
             self.kv.free(req)
         self.requests.pop(req.request_id, None)

@@ -108,7 +108,9 @@ def _deploy(engine_args, prefill_scaling: dict, decode_scaling: dict):
 
 
 class ReplicaWatch:
-    """Samples the running replicas of both pools in the background; keeps the peaks."""
+    """Samples the replicas of both pools in the background (running or starting: the
+    autoscaler's decision, not how fast a worker loads its model on a busy machine);
+    keeps the peaks."""
 
     def __init__(self):
         self.peak = {"prefill": 0, "decode": 0}
@@ -122,7 +124,7 @@ class ReplicaWatch:
             deployments = serve.status().applications["kvray"].deployments
             for role in self.peak:
                 states = deployments[f"kvray-{role}"].replica_states
-                self.now[role] = states.get("RUNNING", 0)
+                self.now[role] = states.get("RUNNING", 0) + states.get("STARTING", 0)
                 self.peak[role] = max(self.peak[role], self.now[role])
             time.sleep(0.25)
 

@@ -1,0 +1,71 @@
+"""The decode role: take (request, first token, ticket) (`decode`), reserve blocks, pull
+the prompt's KV through this worker's connector, and continue the request in the
+continuous batch. A failed pull recomputes the prompt here (counted in `kv_recomputes`).
+
+This is the pulling half of a KV hand-off (actors/kv_pull.py, actors/connectors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvray.actors.connectors import CONNECTORS
+from kvray.actors.kv_pull import KVPuller
+from kvray.actors.messages import EngineRequest, PrefillResult
+from kvray.actors.worker import EngineWorker, Role
+
+
+class DecodeWorker(EngineWorker):
+    role: Role = "decode"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        backend = "nccl" if self.llm.device.type == "cuda" else "gloo"
+        connector = CONNECTORS[self.kv_config.connector](self.worker_id, self.kv_config, self.host, backend)
+        self.puller = KVPuller(connector, self.kv_config, self.llm.kv_layout, self.shards)
+        self.pulling: dict[str, bool] = {}  # request id -> abort once its pull is done
+
+    async def decode(self, req: EngineRequest, handoff: PrefillResult, prefill=None) -> None:
+        """Continue a prefilled request here. Returns once it is accepted: its first
+        token goes out at once (under the same stop-string rules as the rest), then the
+        KV is pulled (or recomputed) and the request joins the batch."""
+        outbox = self._admit(req)
+        rid = req.request_id
+        try:
+            _, blocks = await self.llm.add_prefilled_request(
+                rid,
+                {"prompt_token_ids": req.prompt_token_ids},
+                req.params,
+                handoff.first_token,
+                handoff.first_logprobs,
+                sink=outbox,
+            )
+        except BaseException:
+            outbox.unregister(rid)
+            raise
+        if blocks is not None:
+            self.pulling[rid] = False
+            asyncio.ensure_future(self._pull(handoff, prefill, rid, blocks))
+        elif handoff.ticket is not None and prefill is not None:
+            prefill.release_kv.remote(rid)  # nothing to pull: let the pin go now
+
+    async def _pull(self, handoff: PrefillResult, prefill, rid: str, blocks: list[int]) -> None:
+        """Runs to its end even if the request is aborted meanwhile: a pull cut off midway
+        would break the pair group and leave the blocks half written."""
+        ok = False
+        try:
+            ok = await self.puller.pull(handoff.ticket, prefill, self.llm.kv_cache, blocks)
+        finally:
+            await self.llm.finish_kv_pull(rid, ok)
+            if self.pulling.pop(rid, False):  # aborted while its blocks were being written
+                self.llm.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.pulling:  # its blocks are being written: abort after the pull
+            self.pulling[request_id] = True
+            return
+        self.llm.abort(request_id)
+
+    async def _transfer(self) -> tuple[int, float, list[int]]:
+        p = self.puller
+        return p.bytes_pulled, p.seconds, list(p.buckets)

@@ -1,0 +1,120 @@
+"""The prefill role: run the prompt (chunked, prefix-cached), sample the first token and
+return it with a KVTicket (`prefill`, a unary call). The prompt's blocks stay pinned until
+the decode side confirms its pull (`release_kv`) or the lease ends.
+
+This is the serving half of a KV hand-off: the decode worker's connector pulls through
+this worker's `KVSource` (and, for a sharded worker, through its shards' sources).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from kvray.actors.connectors import KVSource
+from kvray.actors.messages import TRANSFER_BUCKETS, EngineRequest, PrefillResult
+from kvray.actors.signals import RecentMean
+from kvray.actors.worker import EngineWorker, Role
+from kvray.engine.kv_transfer import prefill_params
+
+
+class PrefillWorker(EngineWorker):
+    role: Role = "prefill"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        llm = self.llm
+        self.source = KVSource(llm.pins, llm.kv_cache, llm.device, llm.kv_layout)
+        self.holds: dict[str, asyncio.TimerHandle] = {}  # pins held for sharded pulls
+        self.ttft = RecentMean()  # seconds from arrival here to the first token
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """Run the prompt and sample its first token; the blocks stay pinned for a pull."""
+        self._check_accepting()
+        start = time.monotonic()
+        rid = req.request_id
+        prompt = {"prompt_token_ids": req.prompt_token_ids}
+        stream = await self.llm.add_request(
+            rid, prompt, prefill_params(req.params), kv_lease=self.kv_config.lease_seconds
+        )
+        final = None
+        handed_off = False
+        try:
+            async for out in stream:
+                final = out
+            if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
+                raise RuntimeError(f"prefill of {rid} was aborted")
+            self.ttft.record(time.monotonic() - start)
+            ticket = await self.llm.kv_ticket(self.worker_id, rid)
+            handed_off = True
+        finally:
+            if not handed_off:  # cancelled (the client left): stop it and let any pin go
+                self.llm.abort(rid)
+                asyncio.ensure_future(self.llm.release_kv(rid))
+        first = final.outputs[0]
+        first_logprobs = None
+        if first.logprobs:
+            entry = first.logprobs[0]
+            lp = entry[first.token_ids[0]]
+            top = [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank)]
+            first_logprobs = (lp.logprob, lp.rank, top[: req.params.logprobs])
+        metrics = final.metrics
+        return PrefillResult(
+            rid,
+            first.token_ids[0],
+            first_logprobs,
+            ticket,
+            final.num_cached_tokens,
+            queue_seconds=metrics.time_in_queue if metrics is not None else None,
+            cost_usd=self.price_per_hour / 3600.0 * (metrics.step_seconds if metrics is not None else 0.0),
+        )
+
+    def _ttft_mean(self) -> float:
+        return self.ttft.mean()
+
+    # ---- serving pulls --------------------------------------------------------------------
+
+    async def release_kv(self, request_id: str) -> bool:
+        """The decode side confirms its pull (or gives up): unpin the ticket's blocks."""
+        self._end_hold(request_id)
+        return await self.llm.release_kv(request_id)
+
+    async def hold_kv(self, request_id: str) -> list[int] | None:
+        """A multi-shard pull is starting: keep the pin from expiring until `release_kv`
+        (or twice the pull timeout, should the decode side vanish). None: lease over."""
+        if request_id in self.holds:
+            return None
+        blocks = self.llm.pins.begin_read(request_id)
+        if blocks is not None:
+            later = 2 * self.kv_config.pull_timeout_seconds
+            self.holds[request_id] = asyncio.get_running_loop().call_later(later, self._end_hold, request_id)
+        return blocks
+
+    def _end_hold(self, request_id: str) -> None:
+        timer = self.holds.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+            self.llm.pins.end_read(request_id)
+
+    async def shard_handles(self) -> list:
+        return self.shards
+
+    async def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
+        return await asyncio.to_thread(self.source.send_piece, peer_id, tag, blocks, layers, heads)
+
+    async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
+        return await self.source.export_piece(blocks, layers, heads)
+
+    async def export_kv(self, request_id: str) -> torch.Tensor | None:
+        return await self.source.export_kv(request_id)
+
+    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
+        await self.source.join_pair(peer_id, host, port, key, backend, self.kv_config.pull_timeout_seconds)
+
+    async def _transfer(self) -> tuple[int, float, list[int]]:
+        shard_sent = 0  # KV bytes this worker's other shards sent to decode shards
+        if self.shards:
+            shard_sent = sum(await asyncio.gather(*(s.bytes_sent.remote() for s in self.shards)))
+        return self.source.bytes_sent + shard_sent, 0.0, [0] * (len(TRANSFER_BUCKETS) + 1)
