@@ -92,10 +92,11 @@ class KVSource:
         the peer's pull requests on a thread of its own."""
         groups = await asyncio.to_thread(join_pair_groups, None, host, port, 1, key, backend, timeout_s)
         self.pair_groups[peer_id] = groups
-        thread = threading.Thread(target=self._serve_pulls, args=(groups,), daemon=True)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        thread = threading.Thread(target=self._serve_pulls, args=(groups, timeout), daemon=True)
         thread.start()
 
-    def _serve_pulls(self, groups: PairGroups) -> None:
+    def _serve_pulls(self, groups: PairGroups, timeout: datetime.timedelta) -> None:
         """One pull at a time, in the order the peer asked; ends when the peer goes away."""
         message = torch.empty(REQUEST_WORDS, dtype=torch.int64)
         while True:
@@ -105,7 +106,7 @@ class KVSource:
                 return
             tag, request_id = decode_request(message)
             try:
-                self.bytes_sent += send_packed(groups.data, self, request_id, tag)
+                self.bytes_sent += send_packed(groups.data, self, request_id, tag, timeout)
             except RuntimeError:  # this pull failed (the peer recomputes); serve the next
                 continue
 
@@ -211,7 +212,7 @@ class TorchDistConnector(KVConnector):
 
             def transfer() -> int:
                 groups.control.send([request], 1, REQUEST_TAG).wait(timeout)
-                return receive_packed(groups.data, ticket, kv_cache, dst_blocks, tag)
+                return receive_packed(groups.data, ticket, kv_cache, dst_blocks, tag, timeout)
 
             async with self.pair_locks.setdefault(peer_id, asyncio.Lock()):
                 moved = await asyncio.to_thread(transfer)
@@ -271,12 +272,15 @@ def decode_request(words: torch.Tensor) -> tuple[int, str]:
     return tag, words[2:].numpy().tobytes()[:length].decode()
 
 
-def receive_packed(pg, ticket: KVTicket, kv_cache, dst_blocks: list[int], tag: int) -> int:
-    """The decode side of a torch_dist pull (blocking; run it in a thread)."""
+def receive_packed(
+    pg, ticket: KVTicket, kv_cache, dst_blocks: list[int], tag: int, timeout: datetime.timedelta
+) -> int:
+    """The decode side of a torch_dist pull (blocking; run it in a thread). Every receive
+    waits at most `timeout` (the pull timeout), on NCCL as on gloo."""
     layout = ticket.layout
     device = kv_cache.device
     header = torch.zeros(1, dtype=torch.int64, device=device)
-    pg.recv([header], 1, tag).wait()
+    pg.recv([header], 1, tag).wait(timeout)
     if int(header.item()) == 0:
         return 0
     n = len(ticket.block_ids)
@@ -285,27 +289,27 @@ def receive_packed(pg, ticket: KVTicket, kv_cache, dst_blocks: list[int], tag: i
     bufs = [torch.empty((len(c), *shape), dtype=layout.torch_dtype, device=device) for c in chunks]
     works = [pg.recv([buf], 1, tag + 1 + i) for i, buf in enumerate(bufs)]
     for layers, buf, work in zip(chunks, bufs, works):
-        work.wait()
+        work.wait(timeout)
         unpack_blocks(kv_cache, dst_blocks, buf, layers)
     return sum(b.numel() * b.element_size() for b in bufs)
 
 
-def send_packed(pg, source: KVSource, request_id: str, tag: int) -> int:
+def send_packed(pg, source: KVSource, request_id: str, tag: int, timeout: datetime.timedelta) -> int:
     """The prefill side of a torch_dist pull (blocking): header, then packed chunks, each
-    packed while the previous one is on the wire."""
+    packed while the previous one is on the wire; every send waits at most `timeout`."""
     blocks = source.begin(request_id)
     if blocks is None:
-        pg.send([torch.zeros(1, dtype=torch.int64, device=source.device)], 0, tag).wait()
+        pg.send([torch.zeros(1, dtype=torch.int64, device=source.device)], 0, tag).wait(timeout)
         return 0
     sent, works = 0, []
     try:
-        pg.send([torch.ones(1, dtype=torch.int64, device=source.device)], 0, tag).wait()
+        pg.send([torch.ones(1, dtype=torch.int64, device=source.device)], 0, tag).wait(timeout)
         for i, layers in enumerate(layer_chunks(source.layout, len(blocks))):
             packed = pack_blocks(source.kv_cache, blocks, layers)
             works.append(pg.send([packed], 0, tag + 1 + i))
             sent += packed.numel() * packed.element_size()
         for work in works:
-            work.wait()
+            work.wait(timeout)
     finally:
         source.pins.end_read(request_id)
     return sent

@@ -26,6 +26,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # one sample (the front fans `n` out); output_kind DELTA
     destination: str  # the front whose `outputs` stream gets this request's deltas
+    # a request moved here after its worker died: the tokens it had streamed (recomputed
+    # with the prompt; its deltas go on from the next token)
+    generated_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

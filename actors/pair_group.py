@@ -41,7 +41,9 @@ def join_pair_groups(
         store = dist.TCPStore(host, port, 2, False, timeout=timeout)
     data_store = dist.PrefixStore(f"{key}/data", store)
     if backend == "nccl":
-        data = dist.ProcessGroupNCCL(data_store, rank, 2, dist.ProcessGroupNCCL.Options())
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # a stuck pull fails (and recomputes), not NCCL's watchdog
+        data = dist.ProcessGroupNCCL(data_store, rank, 2, options)
     else:
         data = dist.ProcessGroupGloo(data_store, rank, 2, timeout)
     control_timeout = datetime.timedelta(seconds=CONTROL_TIMEOUT_S)

@@ -188,7 +188,15 @@ async def pull_pieces(
 
 
 def node_ip() -> str:
+    """The address peers reach this node at: KVRAY_HOST if set, else Ray's. Never a guess:
+    a loopback address on a multi-node cluster would make every pull fail silently."""
+    host = os.environ.get("KVRAY_HOST")
+    if host:
+        return host
     try:
         return ray.util.get_node_ip_address()
-    except Exception:
-        return os.environ.get("KVRAY_HOST", "127.0.0.1")
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot tell this node's IP address ({e!r}); set KVRAY_HOST to the address "
+            "the other nodes reach it at"
+        ) from e

@@ -119,6 +119,23 @@ class EngineWorker:
         outbox.register(req.request_id, req.destination)
         return outbox
 
+    async def generate(self, req: EngineRequest) -> None:
+        """Run a whole request here (colocated, or one moved here mid-stream from a
+        worker that died: its prompt and the tokens it had are recomputed here); returns
+        once it is accepted."""
+        outbox = self._admit(req)
+        try:
+            await self.llm.add_request(
+                req.request_id,
+                {"prompt_token_ids": req.prompt_token_ids},
+                req.params,
+                sink=outbox,
+                generated_token_ids=req.generated_token_ids,
+            )
+        except BaseException:
+            outbox.unregister(req.request_id)
+            raise
+
     async def abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
 
@@ -179,17 +196,6 @@ class MixedWorker(EngineWorker):
     """Both phases in one engine (colocated): nothing moves between workers."""
 
     role: Role = "mixed"
-
-    async def generate(self, req: EngineRequest) -> None:
-        """Run a whole request here; returns once it is accepted."""
-        outbox = self._admit(req)
-        try:
-            await self.llm.add_request(
-                req.request_id, {"prompt_token_ids": req.prompt_token_ids}, req.params, sink=outbox
-            )
-        except BaseException:
-            outbox.unregister(req.request_id)
-            raise
 
     async def generate_batch(
         self, request_ids: list[str], prompts: list, params: list[SamplingParams], priorities: list[int]

@@ -11,6 +11,7 @@ the workers the Router (an actor here) chooses, and receives their deltas
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import uuid
@@ -21,11 +22,11 @@ import ray
 
 from kvray.actors.launch import start_pools, stop_pools
 from kvray.configs import DeploymentConfig
-from kvray.engine import RequestOutput, SamplingParams
-from kvray.errors import InvalidArgumentError
+from kvray.engine import CompletionOutput, RequestOutput, SamplingParams
 from kvray.router import metrics
 from kvray.router.frontend import Frontend
 from kvray.router.router import Router
+from kvray.router.streams import merge
 
 
 def ensure_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
@@ -71,9 +72,9 @@ class FrontActorImpl:
         self.frontend = Frontend(router, self.config, f"front-{uuid.uuid4().hex[:8]}")
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator:
-        """Stream cumulative RequestOutputs of one request (the last has finished=True)."""
-        if params.n != 1:
-            raise InvalidArgumentError("n", params.n, "1 (fan samples out as separate requests)")
+        """Stream cumulative RequestOutputs of one request (the last has finished=True).
+        `n > 1` fans out as the ingress does: n one-sample requests (seed + i each), so a
+        disaggregated deployment serves them too; every output holds all n so far."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer(prompt).input_ids
         elif isinstance(prompt, dict):
@@ -81,12 +82,26 @@ class FrontActorImpl:
         else:
             text, ids = None, list(prompt)
         rid = request_id or f"req-{uuid.uuid4().hex}"
-        gen = self.frontend.generate(rid, ids, params)
+        samples = [
+            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)
+        ]
+        if params.n == 1:
+            gens = [self.frontend.generate(rid, ids, samples[0])]
+        else:
+            gens = [self.frontend.generate(f"{rid}#{i}", ids, p) for i, p in enumerate(samples)]
+        latest: dict[int, CompletionOutput] = {}
+        stream = merge(gens)
         try:
-            async for c in gen:
-                yield RequestOutput(rid, text, ids, [c], finished=c.finish_reason is not None)
+            async for i, c in stream:
+                c.index = i
+                latest[i] = c
+                done = len(latest) == len(gens) and all(o.finish_reason is not None for o in latest.values())
+                yield RequestOutput(rid, text, ids, [latest[k] for k in sorted(latest)], finished=done)
         finally:
-            await gen.aclose()
+            await stream.aclose()
+            for gen in gens:
+                await gen.aclose()
 
     async def metrics_text(self) -> bytes:
         workers = await self.router.worker_stats.remote()

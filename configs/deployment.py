@@ -87,6 +87,12 @@ class RouterConfig(_Strict):
     affinity_blocks: int = Field(4, ge=1)  # leading full blocks hashed for prefix affinity
     imbalance_threshold: int = Field(4, ge=0)  # load gap (requests) that overrides affinity
     max_retries: int = Field(2, ge=0)  # other workers tried when one dies before the first token
+    # times a request may move to another worker after its worker died mid-stream (Dynamo's
+    # name); each move recomputes prompt + tokens so far there and the stream goes on
+    migration_limit: int = Field(3, ge=0)
+    # a request still running this long after it arrived is aborted everywhere (its own
+    # `request_timeout_s` may set another); it also bounds the wait for a worker to join
+    request_timeout_s: float = Field(600.0, gt=0)
     health_check_seconds: float = Field(2.0, gt=0)  # also how soon a new worker is found
     num_replicas: int = Field(1, ge=1)  # Router replicas (Serve); they agree on every choice
 

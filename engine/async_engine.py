@@ -96,15 +96,27 @@ class AsyncLLM:
         deadline: float | None = None,
         kv_lease: float | None = None,
         sink: OutputSink | None = None,
+        generated_token_ids: list[int] | None = None,
     ) -> OutputStream | None:
         """Queue a request; raises the engine's validation error here, in the caller.
-        `kv_lease`: a prefill for a decode worker (see LLMEngine.add_request). Returns the
+        `kv_lease`: a prefill for a decode worker; `generated_token_ids`: a request moved
+        here from a worker that died (see LLMEngine.add_request). Returns the
         request's stream, or None when its outputs go to `sink`."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
         stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
-        add = (request_id, stream or sink, prompt, sampling_params, priority, deadline, kv_lease, accepted)
+        add = (
+            request_id,
+            stream or sink,
+            prompt,
+            sampling_params,
+            priority,
+            deadline,
+            kv_lease,
+            generated_token_ids,
+            accepted,
+        )
         self._send(("add", *add))
         await asyncio.wrap_future(accepted)
         return stream
@@ -249,10 +261,16 @@ class AsyncLLM:
             elif command[0] == "add_prefilled":
                 self._add_prefilled(*command[1:])
             elif command[0] == "add":
-                _, rid, sink, prompt, params, priority, deadline, kv_lease, accepted = command
+                _, rid, sink, prompt, params, priority, deadline, kv_lease, generated, accepted = command
                 try:
                     self.engine.add_request(
-                        rid, prompt, params, priority=priority, deadline=deadline, kv_lease=kv_lease
+                        rid,
+                        prompt,
+                        params,
+                        priority=priority,
+                        deadline=deadline,
+                        kv_lease=kv_lease,
+                        generated_token_ids=generated,
                     )
                 except Exception as e:
                     _settle(accepted, error=e)

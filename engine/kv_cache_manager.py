@@ -63,7 +63,8 @@ class KVCacheManager:
             if not held:
                 del self.req_blocks[request.request_id]
             return None
-        if not held and self.enable_caching:  # first allocation: one prefix-cache query
+        if not held and self.enable_caching and cache:  # first allocation: one prefix-cache query
+            # (cache=False: contents that arrive from elsewhere, no lookup was made)
             self.prefix_queries += request.num_tokens
             self.prefix_hits += num_hit_tokens
         self.pool.touch(list(computed_blocks))

@@ -12,6 +12,23 @@ from kvray.engine.outputs import RequestOutput
 from kvray.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvray.errors import InvalidArgumentError
 
+ENGINE_OBJECTS = ("hf_config", "tokenizer")  # objects for tests and benchmarks, not config
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """Every extra keyword must be an EngineConfig field (or an engine object): a typo is
+    an error naming the closest valid name, never a silently default engine."""
+    import difflib
+    import inspect
+
+    valid = set(EngineConfig.__dataclass_fields__) | set(ENGINE_OBJECTS)
+    valid |= set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"}
+    for name in kwargs:
+        if name not in valid:
+            close = difflib.get_close_matches(name, sorted(valid), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise InvalidArgumentError(name, kwargs[name], f"a keyword LLM accepts{hint}")
+
 
 class LLM:
     def __init__(
@@ -30,6 +47,7 @@ class LLM:
         seed: int = 0,
         **kwargs,
     ):
+        _check_keywords(kwargs)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -45,7 +63,7 @@ class LLM:
             seed=seed,
             **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
         )
-        engine_kwargs = {k: kwargs[k] for k in ("hf_config", "tokenizer") if k in kwargs}
+        engine_kwargs = {k: kwargs[k] for k in ENGINE_OBJECTS if k in kwargs}
         self._ids = itertools.count()
         self.engine: LLMEngine | None = None
         self._group = None  # a sharded engine on Ray (tp x pp > 1)

@@ -164,18 +164,36 @@ class LLMEngine:
         priority: int = 0,
         deadline: float | None = None,
         kv_lease: float | None = None,
+        generated_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request. With `kv_lease` (seconds) it is a prefill for a decode worker:
-        when it finishes, its blocks stay pinned for that long (see `kv_ticket`)."""
-        samples = self._make_samples(request_id, prompt, params, priority, deadline)
+        when it finishes, its blocks stay pinned for that long (see `kv_ticket`).
+
+        `generated_token_ids`: tokens the request already made on an engine that has gone
+        (migration). They are recomputed here with the prompt (prefix cache where it has
+        them), count towards `max_tokens`, `min_tokens` and the penalties, and a seeded
+        request draws the numbers it would have drawn; its outputs go on from the next
+        token (a DELTA output never repeats them)."""
+        generated = list(generated_token_ids or [])
+        if generated and params.n != 1:
+            raise InvalidArgumentError("n", params.n, "1 for a resumed request")
+        samples = self._make_samples(request_id, prompt, params, priority, deadline, generated)
+        if generated:
+            (req,) = samples
+            self.outputs.replay(req, generated)
+            reason = self.scheduler.stop_reason(req)
+            if reason is not None:  # it had already ended: say so now
+                req.status = reason
+                self.pending_outputs.append(self.outputs.output(request_id))
+                return
         for s in samples:
             if kv_lease is not None:
                 self.handoff.expect(s.request_id, kv_lease)
             self.scheduler.add_request(s)
 
-    def _make_samples(self, request_id, prompt, params, priority, deadline) -> list[Request]:
+    def _make_samples(self, request_id, prompt, params, priority, deadline, generated=()) -> list[Request]:
         text, ids = self.tokenize(prompt)
-        self.validate(ids, params)
+        self.validate(ids + list(generated), params)
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys() | self.pins.pins.keys()
         if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls.pulls:

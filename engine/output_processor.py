@@ -81,6 +81,19 @@ class OutputProcessor:
             return None
         return t.detoks[i].add_token(token)
 
+    def replay(self, sample: Request, token_ids: list[int]) -> None:
+        """Tokens the request made on an engine that has gone (a migrated request): they
+        become its output so far, as if sampled here, and count as sent (a DELTA output
+        goes on from the next token; the caller has them and their logprobs)."""
+        t = self.tracked[self.sample_to_parent[sample.request_id]]
+        i = sample.sample_index
+        for token in token_ids:
+            sample.append_token(token)
+            if self.tokenizer is not None:
+                t.detoks[i].add_token(token)
+        text = t.detoks[i].visible_text() if self.tokenizer is not None else ""
+        t.sent[i] = _Sent(len(text), sample.num_output_tokens, 0, False)
+
     def output(self, request_id: str) -> RequestOutput | None:
         """The request's output now, shaped by its `output_kind`; None for an unfinished
         FINAL_ONLY request. A finished request is forgotten here."""

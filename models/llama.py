@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata
 from kvray.models.layers import (
     PackedLinear,
@@ -37,6 +38,10 @@ def layer_sliding_windows(config) -> list[int | None]:
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
     return [window] * n
+
+
+# non-layer tensors that only some pipeline stages hold (first: embedding; last: norm, head)
+OTHER_STAGE_TENSORS = frozenset({"embed_tokens.weight", "norm.weight", "lm_head.weight"})
 
 
 class Attention(nn.Module):
@@ -157,12 +162,19 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (full, unsharded) into our parameters, each parameter
-        taking its shard; tensors of other stages are skipped. Returns the names loaded."""
+        taking its shard; tensors of other stages are skipped. Returns the names loaded.
+
+        A tensor that no stage of this architecture has, or a parameter of this stage
+        (or a part of a packed one) that no tensor filled, is an InvalidArgumentError
+        naming them: never a model running on uninitialised memory."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        filled: set[tuple[str, str | None]] = set()
+        unknown: list[str] = []
         for hf_name, tensor in weights:
             name = self._local_name(hf_name.removeprefix("model."))
             if name is None:
+                if self._is_foreign(hf_name.removeprefix("model.")):
+                    unknown.append(hf_name)
                 continue
             part = None
             for fragment, (ours, packed_part) in self.packed.items():
@@ -170,15 +182,56 @@ class LlamaForCausalLM(nn.Module):
                     name, part = name.replace(fragment, ours), packed_part
                     break
             param = params.get(name)
-            if param is None:  # held by another pipeline stage
+            if param is None:
+                if name not in OTHER_STAGE_TENSORS:  # not merely another stage's
+                    unknown.append(hf_name)
                 continue
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 param.data.copy_(tensor)
             else:
                 loader(param, tensor, part)
-            loaded.add(name)
-        return loaded
+            filled.add((name, part))
+        missing = sorted(self._hf_name(n, p) for n, p in self._wanted(params) - filled)
+        if unknown or missing:
+            raise InvalidArgumentError(
+                "model",
+                "<checkpoint>",
+                "a checkpoint whose tensors are those of the architecture; "
+                + "; ".join(
+                    f"{what} {len(names)}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                    for what, names in (("unknown", sorted(unknown)), ("missing", missing))
+                    if names
+                ),
+            )
+        return {n for n, _ in filled}
+
+    def _wanted(self, params: dict) -> set[tuple[str, str | None]]:
+        """(parameter, packed part) pairs that tensors must fill on this stage."""
+        parts: dict[str, list[str]] = {}
+        for ours, part in self.packed.values():
+            parts.setdefault(ours, []).append(part)
+        wanted = set()
+        for name in params:
+            fragment = next((f for f in parts if f".{f}." in name), None)
+            wanted |= {(name, p) for p in parts[fragment]} if fragment else {(name, None)}
+        return wanted
+
+    def _hf_name(self, name: str, part: str | None) -> str:
+        """The checkpoint's name of our parameter `name` (its `part`, if packed)."""
+        if part is not None:
+            hf = next(f for f, (ours, p) in self.packed.items() if p == part and f".{ours}." in name)
+            name = name.replace(next(o for o, p in self.packed.values() if p == part), hf)
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            name = f"layers.{int(index) + self.layer_range.start}.{rest}"
+        return name if name == "lm_head.weight" else f"model.{name}"
+
+    def _is_foreign(self, name: str) -> bool:
+        """A tensor `_local_name` skipped that no stage holds: a layer past the last."""
+        if not name.startswith("layers."):
+            return False
+        return int(name.split(".", 2)[1]) >= self.config.num_hidden_layers
 
     def _local_name(self, name: str) -> str | None:
         """Our name for an HF tensor of this stage, or None when no stage needs it here."""

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from kvray.errors import UnknownModelError
+from kvray.errors import InvalidArgumentError, UnknownModelError
 from kvray.models.fetch import ALIASES, fetch_alias
 from kvray.models.parallel import ShardContext
 from kvray.models.registry import model_class
@@ -73,11 +73,23 @@ def build_model(
     """Instantiate the architecture's class (this shard's part of it) and load weights
     (random init when path is None: the same full-model draw on every shard only when
     seeds match, so sharded random models are for shapes, not for parity)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise InvalidArgumentError(
+            "model",
+            str(path) if path is not None else "<config>",
+            f"an unquantized checkpoint: its quantization_config (quant_method {method!r}) "
+            "is not a method kvray runs",
+        )
     cls = model_class(config)
     with torch.device(device):
         model = cls(config, max_positions, shard)
     if path is not None:
-        model.load_weights(iter_safetensors(path))
+        try:
+            model.load_weights(iter_safetensors(path))
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError("model", str(path), e.allowed) from None
     else:
         init_random_weights(model, getattr(config, "initializer_range", 0.02))
     model.to(dtype)

@@ -40,7 +40,7 @@ from ray.serve.handle import DeploymentHandle
 from kvray.configs import DeploymentConfig, ServeConfig
 from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router import metrics
-from kvray.router.frontend import Frontend
+from kvray.router.frontend import Frontend, RequestTimeoutError
 from kvray.router.pools import pool_deployment
 from kvray.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from kvray.router.responses import ResponseBuilder, Usage
@@ -99,11 +99,13 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
     return ingress.bind(cfg.model_dump(), router_app, pools)
 
 
+RETRY_AFTER_NO_WORKER_S = 5  # seconds: about how long Serve takes to replace a worker
+
 # Serve pickles the ingress class by value, with the globals defined before it.
 
 
 def _num_prompt_tokens(jobs: list, n: int) -> int:
-    return sum(len(ids) for _, ids, _ in jobs[::n])
+    return sum(len(ids) for _, ids, *_ in jobs[::n])
 
 
 def _replace(params, **changes):
@@ -119,7 +121,16 @@ def _cause(e: BaseException) -> BaseException:
 def _api_error_of(e: KvrayError) -> APIError:
     if isinstance(e, InvalidArgumentError):
         return APIError.invalid(e)
-    return APIError(503, str(e), type="service_unavailable", code=type(e).__name__)
+    if isinstance(e, RequestTimeoutError):  # Ray Serve's request_timeout_s answers 408 too
+        return APIError(408, str(e), type="timeout_error", code="request_timeout")
+    # no worker (none live, none joined in time), or its worker died past migration_limit
+    return APIError(
+        503,
+        str(e),
+        type="service_unavailable",
+        code=type(e).__name__,
+        headers={"Retry-After": str(RETRY_AFTER_NO_WORKER_S)},
+    )
 
 
 def _error_body(e: KvrayError) -> dict:
@@ -273,14 +284,14 @@ class OpenAIIngress:
 
     async def _complete(self, body: dict, chat: bool) -> dict:
         req, builder, jobs = self._prepare(body, chat)
-        with self._admitted():
+        with self._admitted(len(jobs)):
             finals = await all_or_none([self._final(*job) for job in jobs])
         usage = Usage(_num_prompt_tokens(jobs, req.n), sum(len(f.token_ids) for f in finals))
         return builder.body(dict(enumerate(finals)), usage)
 
     async def _stream(self, body: dict, chat: bool) -> AsyncIterator[dict]:
         req, builder, jobs = self._prepare(body, chat)
-        with self._admitted():
+        with self._admitted(len(jobs)):
             yield None  # validated and admitted: the caller may start the response now
             outs = {}
             try:
@@ -313,7 +324,7 @@ class OpenAIIngress:
             for i in range(req.n):
                 seed = None if params.seed is None else params.seed + i
                 sample = params if i == 0 else _replace(params, seed=seed)
-                jobs.append((f"{rid}-{p * req.n + i}", prompt, sample))
+                jobs.append((f"{rid}-{p * req.n + i}", prompt, sample, req.request_timeout_s))
         return req, builder, jobs
 
     def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
@@ -340,10 +351,10 @@ class OpenAIIngress:
                 raise InvalidArgumentError("prompt", "token ids", f"ids in [0, {vocab - 1}]")
         return [ids for _, ids in prompts]
 
-    async def _outputs(self, rid: str, prompt_token_ids: list[int], params):
+    async def _outputs(self, rid: str, prompt_token_ids: list[int], params, timeout_s: float | None = None):
         """One engine request's cumulative CompletionOutput after every delta; leaving
         early aborts it everywhere."""
-        gen = self.frontend.generate(rid, prompt_token_ids, params)
+        gen = self.frontend.generate(rid, prompt_token_ids, params, timeout_s)
         try:
             async for out in gen:
                 yield out
@@ -352,19 +363,28 @@ class OpenAIIngress:
         finally:
             await gen.aclose()
 
-    async def _final(self, rid: str, prompt_token_ids: list[int], params):
+    async def _final(self, rid: str, prompt_token_ids: list[int], params, timeout_s: float | None = None):
         final = None
         try:
-            async for final in self._outputs(rid, prompt_token_ids, params):  # noqa: B007 (keep the last)
+            async for final in self._outputs(rid, prompt_token_ids, params, timeout_s):  # noqa: B007 (keep the last)
                 pass
         except KvrayError as e:
             raise _api_error_of(e) from None
         return final
 
     @contextmanager
-    def _admitted(self):
-        """Hold one of `max_queued_requests` slots, or answer 503 with Retry-After."""
-        if self.num_in_flight >= self.config.max_queued_requests:
+    def _admitted(self, num_choices: int):
+        """Hold one of `max_queued_requests` slots per choice (prompts x n: each is an
+        engine request), or answer 503 with Retry-After; a request with more choices than
+        the limit could never run: 400."""
+        limit = self.config.max_queued_requests
+        if num_choices > limit:
+            raise APIError.invalid(
+                InvalidArgumentError(
+                    "n", f"{num_choices} choices", f"at most {limit} (prompts x n) per request"
+                )
+            )
+        if self.num_in_flight + num_choices > limit:
             raise APIError(
                 503,
                 "the server is at capacity; retry later",
@@ -372,8 +392,8 @@ class OpenAIIngress:
                 code="queue_full",
                 headers={"Retry-After": str(self.config.retry_after_seconds)},
             )
-        self.num_in_flight += 1
+        self.num_in_flight += num_choices
         try:
             yield
         finally:
-            self.num_in_flight -= 1
+            self.num_in_flight -= num_choices

@@ -9,8 +9,11 @@ front's requests, and the inbox hands each delta to its request. No token passes
 Router, so it may die or restart under running streams.
 
 Failures: a worker that dies (or is draining) before the request produced output here is
-excluded and the phase is retried on another one (at most `router.max_retries` times); one
-that dies mid-stream ends the request with WorkerDiedError. A caller that leaves aborts
+excluded and the phase is retried on another one (at most `router.max_retries` times). A
+request whose worker dies mid-stream *migrates*: it goes to another live worker of the
+pool (`generate` with the tokens streamed so far, which that worker recomputes with the
+prompt) and the stream goes on from the next token, at most `router.migration_limit`
+times; past that it ends with WorkerDiedError. A caller that leaves aborts
 the request on every worker it touched, and a prefill whose pin no decode worker took is
 released.
 """
@@ -37,10 +40,24 @@ from kvray.router.router import DEAD, NoWorkerError
 
 logger = logging.getLogger(__name__)
 ROUTER_WAIT_S = 60.0  # how long a front keeps asking a Router that is (re)starting
+WORKER_POLL_S = 0.5  # how often a request waiting for a worker to join asks again
+
+
+class RequestTimeoutError(KvrayError):
+    """The request passed its deadline (`router.request_timeout_s` or its own) before it
+    produced any output; it has been aborted on every worker."""
 
 
 class WorkerDiedError(KvrayError):
-    """The worker serving a request died after the request had produced output."""
+    """The worker serving a request died after the request had produced output (and the
+    request could not move to another one)."""
+
+    def __init__(self, message: str, worker_id: str = ""):
+        super().__init__(message)
+        self.worker_id = worker_id
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields intact
+        return type(self), (str(self), self.worker_id)
 
 
 class _Gone:
@@ -120,16 +137,28 @@ class Frontend:
         self.block_size = config.engine.get("block_size", 16)
         self.inboxes: dict[str, _Inbox] = {}
         self.num_retries = 0
+        self.num_migrations = 0
+        self.num_waiting = 0  # requests now waiting for a worker to join their pool
 
     def close(self) -> None:
         for inbox in list(self.inboxes.values()):
             inbox.close()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[CompletionOutput]:
         """Run one request (one sample); yields its CompletionOutput, cumulative, after
-        every delta (the same object, grown in place: read it before the next one)."""
+        every delta (the same object, grown in place: read it before the next one).
+
+        Past its deadline (`timeout_s`, default `router.request_timeout_s`) the request is
+        aborted everywhere: RequestTimeoutError if it had no output yet, else its stream
+        ends with finish_reason "abort". While its pool has no live worker it waits for
+        one to join, until the deadline (then NoWorkerError)."""
+        deadline = time.monotonic() + (timeout_s or self.config.router.request_timeout_s)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         req = EngineRequest(request_id, prompt_token_ids, params, self.front_id)
         timer = RequestTimer(self.stats, len(prompt_token_ids))
@@ -139,7 +168,7 @@ class Frontend:
         unclaimed = None  # a prefill worker whose pin no decode worker has taken yet
         try:
             if self.config.disaggregated:
-                prefill, handoff = await self._prefill(req, key, touched)
+                prefill, handoff = await self._prefill(req, key, touched, deadline)
                 unclaimed = prefill
                 timer.on_queue_time(handoff.queue_seconds)
                 timer.cost_usd += handoff.cost_usd
@@ -154,17 +183,39 @@ class Frontend:
                 def start(handle):
                     return handle.generate.remote(req)
 
-            async for delta in self._run_on(role, key, req, start, touched):
-                unclaimed = None
-                _grow(out, delta)
-                if delta.info:
-                    if not self.config.disaggregated:
-                        timer.on_queue_time(delta.info.get("queue_seconds"))
-                    timer.cost_usd += delta.info.get("cost_usd", 0.0)
-                    if "error" in delta.info:
-                        raise RuntimeError(f"{request_id} failed on its worker: {delta.info['error']}")
-                timer.on_tokens(len(delta.token_ids))
-                yield out
+            migrations, exclude = 0, []
+            while out.finish_reason is None:
+                try:
+                    async for delta in self._run_on(role, key, req, start, touched, exclude, deadline):
+                        unclaimed = None
+                        self._take(out, delta, timer)
+                        yield out
+                except RequestTimeoutError:
+                    if not out.token_ids:
+                        raise
+                    out.finish_reason = "abort"  # mid-stream: the stream ends, as aborted
+                    for handle in touched.values():
+                        handle.abort.remote(request_id)
+                    yield out
+                except WorkerDiedError as e:
+                    limit = self.config.router.migration_limit
+                    if migrations >= limit:
+                        raise WorkerDiedError(
+                            f"{e} (it had moved {migrations} times: router.migration_limit is {limit})",
+                            e.worker_id,
+                        ) from None
+                    migrations += 1
+                    self.num_migrations += 1
+                    self.stats.count("request_migrations")
+                    logger.warning("kvray front: %s; moving it to another worker", e)
+                    # the new worker recomputes prompt + tokens so far; in PD a decode worker
+                    role = "decode" if self.config.disaggregated else "mixed"
+                    key = None if self.config.disaggregated else key
+                    exclude = [e.worker_id]
+                    moved = dataclasses.replace(req, generated_token_ids=list(out.token_ids))
+
+                    def start(handle, moved=moved):
+                        return handle.generate.remote(moved)
         finally:
             if out.finish_reason is None:  # the caller left, or it failed: stop it everywhere
                 for handle in touched.values():
@@ -173,34 +224,49 @@ class Frontend:
                     unclaimed.release_kv.remote(request_id)
             self.stats.finish(timer, out.finish_reason or "abort")
 
-    async def _prefill(self, req: EngineRequest, key, touched: dict) -> tuple[object, PrefillResult]:
+    def _take(self, out: CompletionOutput, delta: Delta, timer: RequestTimer) -> None:
+        _grow(out, delta)
+        if delta.info:
+            if not self.config.disaggregated:
+                timer.on_queue_time(delta.info.get("queue_seconds"))
+            timer.cost_usd += delta.info.get("cost_usd", 0.0)
+            if "error" in delta.info:
+                raise RuntimeError(f"{delta.request_id} failed on its worker: {delta.info['error']}")
+        timer.on_tokens(len(delta.token_ids))
+
+    async def _prefill(
+        self, req: EngineRequest, key, touched: dict, deadline: float
+    ) -> tuple[object, PrefillResult]:
         tried: list[str] = []
         while True:
-            wid, handle = await self._route("prefill", key, tried)
+            wid, handle = await self._route("prefill", key, tried, deadline)
             touched[wid] = handle
             try:
-                return handle, await handle.prefill.remote(req)
+                return handle, await _until(handle.prefill.remote(req), deadline, req.request_id)
             except (*DEAD, WorkerLeavingError):
                 self._retry(tried, wid)
 
-    async def _run_on(self, role: str, key, req: EngineRequest, start, touched: dict) -> AsyncIterator[Delta]:
-        """Start the request on a worker of `role` and yield its deltas until the last."""
-        tried: list[str] = []
+    async def _run_on(
+        self, role: str, key, req: EngineRequest, start, touched: dict, exclude: list[str], deadline: float
+    ) -> AsyncIterator[Delta]:
+        """Start the request on a worker of `role` (not one of `exclude`) and yield its
+        deltas until the last."""
+        tried: list[str] = list(exclude)
         while True:
-            wid, handle = await self._route(role, key, tried)
+            wid, handle = await self._route(role, key, tried, deadline)
             touched[wid] = handle
             inbox = self._inbox(wid, handle)
             box = inbox.register(req.request_id)
             produced = False
             try:
                 try:
-                    await start(handle)
+                    await _until(start(handle), deadline, req.request_id)
                 except (*DEAD, WorkerLeavingError):
                     self._retry(tried, wid)
                     continue
                 gone = None
                 while gone is None:
-                    items = await box.take()
+                    items = await _until(box.take(), deadline, req.request_id)
                     deltas = [d for d in items if not isinstance(d, _Gone)]
                     gone = next((g for g in items if isinstance(g, _Gone)), None)
                     if deltas:
@@ -210,7 +276,7 @@ class Frontend:
                         if delta.finish_reason is not None:
                             return
                 if produced:
-                    raise WorkerDiedError(f"{role} worker {wid} died while streaming {req.request_id}")
+                    raise WorkerDiedError(f"{role} worker {wid} died while streaming {req.request_id}", wid)
                 self._retry(tried, wid)
             finally:
                 inbox.unregister(req.request_id)
@@ -221,9 +287,29 @@ class Frontend:
         if len(tried) > self.config.router.max_retries:
             raise NoWorkerError(f"gave up after {len(tried)} workers failed: {sorted(tried)}")
 
-    async def _route(self, role: str, key, exclude: list[str]) -> tuple[str, object]:
-        """Ask the Router; while it is (re)starting, ask again for up to ROUTER_WAIT_S."""
-        deadline = time.monotonic() + ROUTER_WAIT_S
+    async def _route(self, role: str, key, exclude: list[str], deadline: float) -> tuple[str, object]:
+        """Ask the Router. While it is (re)starting, ask again for up to ROUTER_WAIT_S;
+        while the pool has no live worker (one died and Serve is replacing it), wait for
+        one to join until the request's deadline (counted in `num_waiting` meanwhile)."""
+        router_deadline = time.monotonic() + ROUTER_WAIT_S
+        waiting = False
+        try:
+            while True:
+                try:
+                    return await self._ask_router(role, key, exclude, router_deadline)
+                except NoWorkerError as e:
+                    if time.monotonic() + WORKER_POLL_S > deadline:
+                        raise NoWorkerError(f"{e}; none joined before the request's deadline") from None
+                    if not waiting:
+                        waiting = True
+                        self.num_waiting += 1
+                        logger.warning("kvray front: %s; waiting for one to join", e)
+                await asyncio.sleep(WORKER_POLL_S)
+        finally:
+            if waiting:
+                self.num_waiting -= 1
+
+    async def _ask_router(self, role: str, key, exclude: list[str], router_deadline: float):
         while True:
             try:
                 return await self.router.route.remote(role, key, exclude)
@@ -233,7 +319,7 @@ class Frontend:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, KvrayError):
                     raise cause from None
-                if time.monotonic() > deadline:
+                if time.monotonic() > router_deadline:
                     raise
                 logger.warning("kvray front: the router did not answer (%r); asking again", e)
                 await asyncio.sleep(0.5)
@@ -247,6 +333,14 @@ class Frontend:
     def _forget(self, inbox: _Inbox) -> None:
         if self.inboxes.get(inbox.worker_id) is inbox:
             del self.inboxes[inbox.worker_id]
+
+
+async def _until(awaitable, deadline: float, request_id: str):
+    """Await it, or raise RequestTimeoutError once the request's deadline has passed."""
+    try:
+        return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
+    except TimeoutError:
+        raise RequestTimeoutError(f"request {request_id} passed its deadline") from None
 
 
 def _join(deltas: list[Delta]) -> Delta:

@@ -41,7 +41,11 @@ HISTOGRAMS = {
         COST_BUCKETS,
     ),
 }
-COUNTERS = {"prompt_tokens": "Prefilled prompt tokens.", "generation_tokens": "Generated tokens."}
+COUNTERS = {
+    "prompt_tokens": "Prefilled prompt tokens.",
+    "generation_tokens": "Generated tokens.",
+    "request_migrations": "Requests moved to another worker after theirs died mid-stream.",
+}
 
 
 def _empty() -> dict:
@@ -63,6 +67,10 @@ class RequestStats:
         h = self.data["hist"][name]
         h["counts"][bisect.bisect_left(HISTOGRAMS[name][1], value)] += times
         h["sum"] += value * times
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.data["count"][name] += n
+        self.version += 1
 
     def finish(self, timer: RequestTimer, finish_reason: str) -> None:
         self.observe("e2e_request_latency_seconds", time.monotonic() - timer.arrival)
@@ -87,7 +95,7 @@ def merge(snapshots: list[dict]) -> dict:
             t["counts"] = [a + b for a, b in zip(t["counts"], h["counts"])]
             t["sum"] += h["sum"]
         for name, n in s["count"].items():
-            total["count"][name] += n
+            total["count"][name] = total["count"].get(name, 0) + n
         for reason, n in s["success"].items():
             total["success"][reason] = total["success"].get(reason, 0) + n
     return total
@@ -175,6 +183,8 @@ class _Collector:
             "num_requests_running": ("Requests in the worker's running batch.", "num_running"),
             "num_requests_waiting": ("Requests waiting for the worker's batch.", "num_waiting"),
             "kv_cache_usage_perc": ("Used KV blocks / total (0..1).", "kv_usage"),
+            "kv_cache_used_blocks": ("KV blocks held by requests or pins.", "used_blocks"),
+            "kv_pinned_requests": ("Prefilled prompts pinned for a decode worker's pull.", "pinned"),
         }
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_queries"),

@@ -73,6 +73,9 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # kvray: abort the request this many seconds after it arrived (server default:
+    # router.request_timeout_s)
+    request_timeout_s: float | None = Field(None, gt=0)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """One sample's parameters (the ingress fans `n` out into n requests)."""

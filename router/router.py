@@ -31,6 +31,7 @@ from kvray.router.policy import WorkerLoad, choose_decode, choose_prefill
 logger = logging.getLogger(__name__)
 DEAD = (RayActorError, ActorUnavailableError)
 STATS_TIMEOUT_S = 30.0
+MAX_MISSED_PROBES = 3  # probes in a row without an answer: no more requests until it answers
 
 # worker id -> (role, actor handle) of every live worker the cluster has now
 Discover = Callable[[], dict[str, tuple[str, object]]]
@@ -47,6 +48,7 @@ class _Worker:
     handle: object
     load: WorkerLoad
     accepting: bool = True
+    missed: int = 0  # health probes in a row it did not answer (timeout or error)
 
 
 class Router:
@@ -93,9 +95,11 @@ class Router:
             s = await asyncio.wait_for(asyncio.shield(self._stats(w)), STATS_TIMEOUT_S)
         except DEAD:
             self.remove_worker(w.worker_id, "failed its health check")
-        except Exception as e:  # slow or failing, but alive: keep it and its last load
-            logger.warning("kvray router: no load report from %s: %r", w.worker_id, e)
+        except Exception as e:  # slow or failing, but alive: keep it, stop routing to it
+            w.missed += 1
+            logger.warning("kvray router: no load report from %s (%d in a row): %r", w.worker_id, w.missed, e)
         else:
+            w.missed = 0
             w.load.num_requests, w.load.kv_usage, w.load.routed = s.num_running + s.num_waiting, s.kv_usage, 0
             w.accepting = s.accepting
 
@@ -137,7 +141,9 @@ class Router:
 
     def _pool(self, role: str, exclude) -> list[_Worker]:
         return [
-            w for w in self.workers.values() if w.role == role and w.accepting and w.worker_id not in exclude
+            w
+            for w in self.workers.values()
+            if w.role == role and w.accepting and w.missed < MAX_MISSED_PROBES and w.worker_id not in exclude
         ]
 
     async def model_info(self, wait_seconds: float = 0.0) -> dict:

@@ -114,3 +114,41 @@ def test_route_excludes_tried_workers_and_says_when_none_is_left():
         asyncio.run(router.route("mixed", KEYS[0], exclude=["mixed-0", "mixed-1"]))
     router.workers["mixed-1"].accepting = False  # draining: chosen no more
     assert asyncio.run(router.route("mixed", KEYS[0]))[0] == "mixed-0"
+
+
+def test_a_worker_that_misses_health_probes_gets_no_requests_until_it_answers(monkeypatch):
+    """A probe that times out is not ignored: after MAX_MISSED_PROBES in a row the worker
+    is out of the pool (alive, maybe stuck); its next answer brings it back."""
+    from kvray.actors.messages import WorkerStats
+    from kvray.router import router as router_module
+    from kvray.router.router import MAX_MISSED_PROBES
+
+    monkeypatch.setattr(router_module, "STATS_TIMEOUT_S", 0.05)
+
+    class Handle:
+        stuck = True
+
+        class stats:  # noqa: N801 (shaped like an actor method)
+            @staticmethod
+            def remote():
+                async def answer():
+                    if Handle.stuck:
+                        await asyncio.sleep(1.0)
+                    return WorkerStats("decode-0", "decode", 0, 0, 0.0, 0, 0, 0, 0.0)
+
+                return answer()
+
+    router = Router({}, [("decode-0", "decode", Handle)])
+
+    async def run():
+        for _ in range(MAX_MISSED_PROBES - 1):
+            await router.refresh()
+        assert (await router.route("decode"))[0] == "decode-0"  # a slow answer or two: still in
+        await router.refresh()
+        with pytest.raises(NoWorkerError):
+            await router.route("decode")
+        Handle.stuck = False
+        await router.refresh()
+        assert (await router.route("decode"))[0] == "decode-0"
+
+    asyncio.run(run())

@@ -300,8 +300,14 @@ def _open_stream(server: str, max_tokens: int = 400):
 
 def test_full_queue_503_and_disconnects_free_every_block(server, http):
     http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})  # pair group up
-    opened = [_open_stream(server) for _ in range(MAX_QUEUED)]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    too_many = http.post("/v1/completions", json={**body, "n": MAX_QUEUED + 1})
+    assert _error(too_many, 400)["param"] == "n"  # could never be admitted
+    opened = [_open_stream(server) for _ in range(MAX_QUEUED - 1)]
     try:
+        # one slot left, but two choices: each choice is an engine request and counts
+        assert _error(http.post("/v1/completions", json={**body, "n": 2}), 503)["code"] == "queue_full"
+        opened.append(_open_stream(server))
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         err = _error(r, 503)
         assert err["code"] == "queue_full" and r.headers["retry-after"] == "1"
@@ -401,3 +407,19 @@ def offline_path():
     from kvray.models.loader import resolve_model_path
 
     return resolve_model_path(MODEL)
+
+
+def test_a_request_past_its_deadline_is_aborted_everywhere(client, http):
+    """`request_timeout_s` (a body field; the server default is router.request_timeout_s):
+    no output yet -> 408; mid-stream -> the stream ends with finish_reason "abort". Either
+    way the blocks are freed on both workers."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+    r = http.post("/v1/completions", json={**body, "request_timeout_s": 0.001})
+    assert _error(r, 408)["type"] == "timeout_error"
+    stream = client.completions.create(**body, stream=True, extra_body={"request_timeout_s": 5.0})
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "abort"
+    assert 0 < sum(1 for c in chunks if c.choices[0].text) < 400
+    r = http.post("/v1/completions", json={**body, "request_timeout_s": -1})
+    assert _error(r, 400)["param"] == "request_timeout_s"
+    _wait_clean()

@@ -1,0 +1,168 @@
+"""The front moves a request whose worker died mid-stream (Ray-free: fake workers).
+
+A worker that dies after streaming the first token: the front sends the request to
+another worker of the pool with the tokens it has, and the client's stream goes on from
+the next token. Past `router.migration_limit` moves the request fails, saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_serve_metrics import FakeRouter, _Method, _ready
+
+from kvray.actors.messages import Delta
+from kvray.configs import DeploymentConfig
+from kvray.engine import SamplingParams
+from kvray.router.frontend import Frontend, WorkerDiedError
+
+
+class DyingWorker:
+    """Streams the first token of every request, then its stream fails (the actor died)."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id, self.role = worker_id, "mixed"
+        self.started = asyncio.Event()
+        self.requests = []
+        self.outputs = _Method(self._outputs)
+        self.generate = _Method(self._generate)
+        self.abort = _Method(lambda rid: None)
+
+    def _generate(self, req):
+        self.requests.append(req)
+        self.started.set()
+        return _ready(None)
+
+    def _outputs(self, destination):
+        async def stream():
+            await self.started.wait()
+            req = self.requests[-1]
+            have = len(req.generated_token_ids)
+            yield _ready([Delta(req.request_id, [11 + have], "abc"[have], None, None, None)])
+            raise RuntimeError("actor died")  # what a stream of a killed actor raises
+
+        return stream()
+
+
+class FinishingWorker(DyingWorker):
+    """Goes on from the tokens a moved request brings and finishes it (3 tokens in all)."""
+
+    def _outputs(self, destination):
+        async def stream():
+            while True:
+                await self.started.wait()
+                self.started.clear()
+                req = self.requests[-1]
+                have = len(req.generated_token_ids)
+                ids = [11 + i for i in range(have, 3)]
+                yield _ready([Delta(req.request_id, ids, "abc"[have:], None, "length", None)])
+
+        return stream()
+
+
+def _run(front: Frontend):
+    async def go():
+        async for out in front.generate("r0", [1, 2, 3], SamplingParams(max_tokens=3)):  # noqa: B007
+            pass
+        return out.text, list(out.token_ids), out.finish_reason
+
+    return asyncio.run(go())
+
+
+def test_a_request_moves_on_and_its_stream_continues():
+    dying, finishing = DyingWorker("mixed-0"), FinishingWorker("mixed-1")
+    front = Frontend(FakeRouter([dying, finishing]), DeploymentConfig(disaggregated=False), "front-0")
+    assert _run(front) == ("abc", [11, 12, 13], "length")
+    assert front.num_migrations == 1
+    (moved,) = finishing.requests
+    assert moved.generated_token_ids == [11] and moved.prompt_token_ids == [1, 2, 3]
+
+
+def test_past_the_migration_limit_the_request_fails_saying_why():
+    workers = [DyingWorker(f"mixed-{i}") for i in range(3)]
+    config = DeploymentConfig(disaggregated=False, router={"migration_limit": 1})
+    front = Frontend(FakeRouter(workers), config, "front-0")
+    with pytest.raises(WorkerDiedError, match="migration_limit is 1") as e:
+        _run(front)
+    assert e.value.worker_id == "mixed-1"  # the second worker died too
+    assert [r.generated_token_ids for r in workers[1].requests] == [[11]]
+
+
+class SilentWorker(DyingWorker):
+    """Accepts requests and streams the first token of each, then nothing more."""
+
+    def __init__(self, worker_id: str, first: bool):
+        super().__init__(worker_id)
+        self.first = first
+        self.aborted = []
+        self.abort = _Method(lambda rid: self.aborted.append(rid))
+
+    def _outputs(self, destination):
+        async def stream():
+            await self.started.wait()
+            if self.first:
+                yield _ready([Delta(self.requests[-1].request_id, [11], "a", None, None, None)])
+            await asyncio.Event().wait()  # forever
+            yield  # never reached: makes this an async generator
+
+        return stream()
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["before-output", "mid-stream"])
+def test_a_request_past_its_deadline_is_aborted(first):
+    from kvray.router.frontend import RequestTimeoutError
+
+    worker = SilentWorker("mixed-0", first)
+    front = Frontend(FakeRouter([worker]), DeploymentConfig(disaggregated=False), "front-0")
+
+    async def go():
+        out = None
+        async for out in front.generate("r0", [1, 2, 3], SamplingParams(max_tokens=3), timeout_s=0.3):  # noqa: B007
+            pass
+        return out.text, out.finish_reason
+
+    if first:
+        assert asyncio.run(go()) == ("a", "abort")
+    else:
+        with pytest.raises(RequestTimeoutError, match="deadline"):
+            asyncio.run(go())
+    assert worker.aborted == ["r0"]  # its blocks are freed there
+
+
+def test_a_request_waits_for_a_worker_to_join_its_pool():
+    """No live worker at first (one died, Serve is starting its replacement): the request
+    waits, then runs on the worker that joined; with too short a deadline it fails."""
+    from kvray.router.router import NoWorkerError
+
+    class EmptyThenOne(FakeRouter):
+        def _route(self, role, key=None, exclude=()):
+            self.asked = getattr(self, "asked", 0) + 1
+            if self.asked <= 2:
+                raise NoWorkerError("no live mixed worker")
+            return super()._route(role, key, exclude)
+
+    front = Frontend(EmptyThenOne([FinishingWorker("mixed-1")]), DeploymentConfig(disaggregated=False), "f")
+    assert _run(front) == ("abc", [11, 12, 13], "length")
+    assert front.num_waiting == 0 and front.router.asked == 3
+
+    front = Frontend(EmptyThenOne([FinishingWorker("mixed-1")]), DeploymentConfig(disaggregated=False), "f")
+
+    async def short():
+        async for _ in front.generate("r1", [1, 2, 3], SamplingParams(max_tokens=3), timeout_s=0.2):
+            pass
+
+    with pytest.raises(NoWorkerError, match="deadline"):
+        asyncio.run(short())
+    assert front.num_waiting == 0
+
+
+def test_http_errors_of_deadlines_and_missing_workers():
+    from kvray.router.app import _api_error_of
+    from kvray.router.frontend import RequestTimeoutError
+    from kvray.router.router import NoWorkerError
+
+    late = _api_error_of(RequestTimeoutError("request r passed its deadline"))
+    assert late.status == 408 and late.body()["error"]["type"] == "timeout_error"
+    none = _api_error_of(NoWorkerError("no live decode worker; none joined before the request's deadline"))
+    assert none.status == 503 and int(none.headers["Retry-After"]) > 0
