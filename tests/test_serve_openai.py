@@ -416,7 +416,13 @@ def test_a_request_past_its_deadline_is_aborted_everywhere(client, http):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
     r = http.post("/v1/completions", json={**body, "request_timeout_s": 0.001})
     assert _error(r, 408)["type"] == "timeout_error"
-    stream = client.completions.create(**body, stream=True, extra_body={"request_timeout_s": 5.0})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=body["prompt"],
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True, "request_timeout_s": 5.0},
+    )
     chunks = [c for c in stream if c.choices]
     assert chunks[-1].choices[0].finish_reason == "abort"
     assert 0 < sum(1 for c in chunks if c.choices[0].text) < 400
