@@ -312,17 +312,21 @@ class Frontend:
     async def _ask_router(self, role: str, key, exclude: list[str], router_deadline: float):
         while True:
             try:
-                return await self.router.route.remote(role, key, exclude)
-            except KvrayError:
-                raise
+                chosen = await self.router.route.remote(role, key, exclude)
             except Exception as e:
-                cause = getattr(e, "cause", None)
+                cause = getattr(e, "cause", None)  # a Ray task error: the Router's own
                 if isinstance(cause, KvrayError):
                     raise cause from None
+                if isinstance(e, KvrayError):
+                    raise
                 if time.monotonic() > router_deadline:
                     raise
                 logger.warning("kvray front: the router did not answer (%r); asking again", e)
                 await asyncio.sleep(0.5)
+                continue
+            if chosen is None:  # the Serve Router's way of saying it has no live worker
+                raise NoWorkerError(f"no live {role} worker left")
+            return chosen
 
     def _inbox(self, worker_id: str, handle) -> _Inbox:
         inbox = self.inboxes.get(worker_id)
