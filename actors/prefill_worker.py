@@ -71,6 +71,12 @@ class PrefillWorker(EngineWorker):
             cost_usd=self.price_per_hour / 3600.0 * (metrics.step_seconds if metrics is not None else 0.0),
         )
 
+    async def abort(self, request_id: str) -> None:
+        """The front gave up on the request (deadline, client gone): stop its prefill if it
+        runs, and let its pin go if it has finished (no decode worker will pull it)."""
+        self.llm.abort(request_id)
+        await self.release_kv(request_id)
+
     def _ttft_mean(self) -> float:
         return self.ttft.mean()
 

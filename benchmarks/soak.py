@@ -28,8 +28,9 @@ MODEL = "smollm2-135m-instruct"
 WORDS = "the a river city engine paged block cache prefill decode token stream worker".split()
 
 
-def session_rss(leader: int) -> dict[str, int]:
-    """RSS bytes of every process in `leader`'s session, keyed by 'pid title'."""
+def session_rss(leader: int) -> dict[str, tuple[str, int]]:
+    """pid -> (title, RSS bytes) of every process in `leader`'s session (a Ray worker's
+    title changes with the method it runs: the pid is the key)."""
     page = os.sysconf("SC_PAGE_SIZE")
     out = {}
     for entry in Path("/proc").iterdir():
@@ -43,7 +44,7 @@ def session_rss(leader: int) -> dict[str, int]:
             rss = int((entry / "statm").read_text().split()[1]) * page
         except (OSError, ValueError, IndexError):
             continue
-        out[f"{entry.name} {title}"] = rss
+        out[entry.name] = (title, rss)
     return out
 
 
@@ -129,10 +130,10 @@ def rss_table(samples: list, warmup_s: float) -> list[tuple[str, float, float, f
     after = next((rss for t, rss in samples if t >= warmup_s), samples[0][1])
     last = samples[-1][1]
     rows = []
-    for name in sorted(set(after) & set(last)):
-        a, b = after[name] / 2**20, last[name] / 2**20
+    for pid in sorted(set(after) & set(last), key=int):
+        a, b = after[pid][1] / 2**20, last[pid][1] / 2**20
         if a > 50:  # the processes that matter (Ray's small helpers are not kvray's)
-            rows.append((name, a, b, (b - a) / a * 100))
+            rows.append((f"{pid} {last[pid][0][:50]}", a, b, (b - a) / a * 100))
     return rows
 
 
@@ -142,11 +143,12 @@ def plot(samples: list, folder: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({n for _, rss in samples for n, v in rss.items() if v > 50 * 2**20})
+    pids = sorted({p for _, rss in samples for p, (_, v) in rss.items() if v > 50 * 2**20}, key=int)
     fig, ax = plt.subplots(figsize=(9, 5))
-    for name in names:
-        pts = [(t / 60, rss[name] / 2**20) for t, rss in samples if name in rss]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name[:40])
+    for pid in pids:
+        pts = [(t / 60, rss[pid][1] / 2**20) for t, rss in samples if pid in rss]
+        title = samples[-1][1].get(pid, ("?", 0))[0]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{pid} {title[:36]}")
     ax.set_xlabel("minutes")
     ax.set_ylabel("RSS (MiB)")
     ax.legend(fontsize=6)
@@ -179,10 +181,13 @@ def main() -> None:
     print("| process | RSS after warm-up MiB | RSS at end MiB | change |\n|---|---|---|---|")
     for name, a, b, pct in rows:
         print(f"| {name} | {a:.0f} | {b:.0f} | {pct:+.1f} % |")
-    if args.plot:
-        plot(samples, args.plot)
     if args.save:
         Path(args.save).write_text(json.dumps({"counts": counts, "samples": samples, "used": used}))
+    if args.plot:
+        try:
+            plot(samples, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib (pip install -e '.[bench]')")
 
 
 if __name__ == "__main__":
