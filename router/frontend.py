@@ -137,7 +137,6 @@ class Frontend:
         self.block_size = config.engine.get("block_size", 16)
         self.inboxes: dict[str, _Inbox] = {}
         self.num_retries = 0
-        self.num_migrations = 0
         self.num_waiting = 0  # requests now waiting for a worker to join their pool
 
     def close(self) -> None:
@@ -205,7 +204,6 @@ class Frontend:
                             e.worker_id,
                         ) from None
                     migrations += 1
-                    self.num_migrations += 1
                     self.stats.count("request_migrations")
                     logger.warning("kvray front: %s; moving it to another worker", e)
                     # the new worker recomputes prompt + tokens so far; in PD a decode worker

@@ -43,6 +43,25 @@ def smollm2_tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
+@pytest.fixture(scope="module")
+def local_serve(tmp_path_factory):
+    """A local Ray (own temp dir, 2 CPUs) with Serve on a free loopback port, for a module."""
+    import ray
+    from ray import serve
+
+    from kvray.cluster.local import ensure_ray
+
+    # replicas push their autoscaling signals every 0.5 s instead of Serve's default 10 s
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    yield
+    serve.shutdown()
+    if started:
+        ray.shutdown()
+    os.environ.pop("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", None)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Transformers' own greedy generate on one prompt alone: the reference tokens."""
     ids = torch.tensor([prompt_ids])

@@ -5,7 +5,6 @@ the prefill pool, each shrinking back after idle.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from types import SimpleNamespace
@@ -77,21 +76,6 @@ serve = pytest.importorskip("ray.serve")
 
 LOW = {"upscale_delay_s": 0.5, "downscale_delay_s": 4.0, "look_back_period_s": 2.0, "max_workers": 2}
 NEVER = 10**9
-
-
-@pytest.fixture(scope="module")
-def local_serve(tmp_path_factory):
-    from kvray.cluster.local import ensure_ray
-
-    # replicas push their signals every 0.5 s instead of Serve's default 10 s
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    yield
-    serve.shutdown()
-    if started:
-        ray.shutdown()
-    os.environ.pop("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", None)
 
 
 def _deploy(engine_args, prefill_scaling: dict, decode_scaling: dict):

@@ -25,18 +25,6 @@ PROMPTS = [f"Story {i}: once upon a time, in a town by the sea," for i in range(
 MAX_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def local_serve(tmp_path_factory):
-    from kvray.cluster.local import ensure_ray
-
-    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    yield
-    serve.shutdown()
-    if started:
-        ray.shutdown()
-
-
 def _kill(part: str, limit: int = 100) -> list[str]:
     """Kill (at most `limit` of) the named actors whose name contains `part`."""
     killed = []

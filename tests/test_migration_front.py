@@ -74,7 +74,7 @@ def test_a_request_moves_on_and_its_stream_continues():
     dying, finishing = DyingWorker("mixed-0"), FinishingWorker("mixed-1")
     front = Frontend(FakeRouter([dying, finishing]), DeploymentConfig(disaggregated=False), "front-0")
     assert _run(front) == ("abc", [11, 12, 13], "length")
-    assert front.num_migrations == 1
+    assert front.stats.snapshot()["count"]["request_migrations"] == 1
     (moved,) = finishing.requests
     assert moved.generated_token_ids == [11] and moved.prompt_token_ids == [1, 2, 3]
 

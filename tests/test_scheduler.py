@@ -444,33 +444,3 @@ def test_update_returns_only_requests_that_got_a_token():
     assert advanced == [a]
     assert (a.num_computed_tokens, b.num_computed_tokens) == (2, 4)
     assert b.output_token_ids == []
-
-
-def test_connector_decides_which_finished_requests_keep_their_blocks():
-    """The scheduler asks its connector at each finish; a prefill held for a pull keeps
-    its blocks (now the connector's, under a pin), an aborted one and a plain one free
-    theirs. 6-token prompts of block size 4: two blocks each; 16 blocks in all."""
-    from kvray.engine.kv_connector import PrefillHandoff
-
-    kv = KVCacheManager(num_blocks=16, block_size=BS)
-    handoff = PrefillHandoff(kv, BS)
-    sched = Scheduler(kv, 8, 64, 1024, connector=handoff)
-    for rid, first in (("held", 1), ("plain", 20), ("aborted", 40)):
-        sched.add_request(make_request(rid, 6, first_token=first, max_tokens=1))
-    handoff.expect("held", 30.0)
-    handoff.expect("aborted", 30.0)
-    out = sched.schedule()  # all three prefill in one step: 18 tokens, 6 blocks
-    assert kv.stats().used_blocks == 6
-    held_blocks = kv.block_ids("held")
-    sched.abort(["aborted"])
-    assert kv.stats().used_blocks == 4
-    sched.update_from_output(out, {r.request_id: TOKEN for r in out.requests if r.request_id != "aborted"})
-    # both finished at max_tokens=1; only the held one's two blocks stay used
-    assert kv.stats().used_blocks == 2
-    assert handoff.pins.begin_read("held") == held_blocks
-    handoff.pins.end_read("held")
-    assert len(handoff) == 1 and not handoff.leases
-    ticket = handoff.ticket("prefill-0", "held", layout=None)
-    assert ticket.block_ids == tuple(held_blocks) and ticket.num_tokens == 6
-    assert len(ticket.block_hashes) == 1  # one full block of the 6 prompt tokens
-    assert handoff.release("held") and kv.stats().used_blocks == 0
