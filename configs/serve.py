@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from kvray.configs.deployment import DeploymentConfig
@@ -18,3 +20,6 @@ class ServeConfig(DeploymentConfig):
     max_queued_requests: int = Field(64, ge=1)  # requests in flight per ingress replica; more get 503
     retry_after_seconds: int = Field(1, ge=0)  # the 503's Retry-After header
     num_replicas: int = Field(1, ge=1)  # ingress replicas (they share one Router)
+    # how `tool_choice: auto` replies are read (vLLM's --tool-call-parser); None: the
+    # format the model's chat template uses (hermes unless it is Llama 3.1's)
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None

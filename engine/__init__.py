@@ -6,6 +6,7 @@ from kvray.engine.llm import LLM
 from kvray.engine.llm_engine import LLMEngine
 from kvray.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvray.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvray.engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -14,6 +15,7 @@ __all__ = [
     "LLMEngine",
     "SamplingParams",
     "RequestOutputKind",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

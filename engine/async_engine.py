@@ -104,6 +104,8 @@ class AsyncLLM:
         request's stream, or None when its outputs go to `sink`."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
+        if sampling_params.structured_outputs is not None:  # compile (or fail) off the step loop
+            await asyncio.to_thread(self.engine.grammars.compile, sampling_params.structured_outputs)
         stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
         add = (
@@ -200,6 +202,9 @@ class AsyncLLM:
 
     async def validate(self, prompts: list[PromptInput], params: list[SamplingParams]) -> None:
         """Raise the engine's error for the first bad (prompt, params); queue nothing."""
+        for p in params:
+            if p.structured_outputs is not None:
+                await asyncio.to_thread(self.engine.grammars.compile, p.structured_outputs)
 
         def check() -> None:
             for prompt, p in zip(prompts, params):

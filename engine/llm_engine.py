@@ -24,6 +24,7 @@ from kvray.engine.outputs import RequestOutput
 from kvray.engine.request import Request, RequestStatus, SampleGroup
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Scheduler
+from kvray.engine.structured_outputs import GrammarCompiler
 from kvray.errors import InvalidArgumentError
 from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 from kvray.models.parallel import ShardContext
@@ -107,6 +108,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = self._eos_ids(hf_config, model_path, tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, self.eos_token_ids)
         self.last_step: StepStats | None = None
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), e.g. by adds
 
@@ -155,6 +157,8 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidArgumentError("prompt_token_ids", "out of range", f"ids in [0, {vocab - 1}]")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # a bad grammar fails here (cached)
 
     def add_request(
         self,
@@ -191,7 +195,11 @@ class LLMEngine:
                 self.handoff.expect(s.request_id, kv_lease)
             self.scheduler.add_request(s)
 
-    def _make_samples(self, request_id, prompt, params, priority, deadline, generated=()) -> list[Request]:
+    def _make_samples(
+        self, request_id, prompt, params, priority, deadline, generated=(), made_elsewhere=None
+    ) -> list[Request]:
+        """The request's n samples, tracked for output. `made_elsewhere`: tokens it already
+        has (default `generated`), which its grammar replays."""
         text, ids = self.tokenize(prompt)
         self.validate(ids + list(generated), params)
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -199,6 +207,7 @@ class LLMEngine:
         if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls.pulls:
             raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
         group = SampleGroup(params.n) if params.n > 1 else None
+        so = params.structured_outputs
         now = time.monotonic()
         samples = [
             Request(
@@ -213,11 +222,24 @@ class LLMEngine:
                 deadline=deadline,
                 sample_index=i,
                 group=group,
+                grammar=self.grammars.matcher(so) if so is not None else None,
             )
             for i in range(params.n)
         ]
+        for s in samples:
+            self._replay_grammar(s, generated if made_elsewhere is None else made_elsewhere)
         self.outputs.add(request_id, samples)
         return samples
+
+    def _replay_grammar(self, req: Request, token_ids: list[int]) -> None:
+        """Bring a constrained request's grammar to the tokens it made elsewhere."""
+        if req.grammar is None:
+            return
+        for token in token_ids:
+            if not req.grammar.accept(token):
+                raise InvalidArgumentError(
+                    "generated_token_ids", token, "tokens its structured_outputs grammar allows"
+                )
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Finish the requests as `abort` and free their blocks now; returns their final
@@ -267,6 +289,9 @@ class LLMEngine:
         advanced = self.scheduler.update_from_output(sched, sampled)
         touched: dict[str, None] = {}
         for req in advanced:
+            if req.grammar is not None and not req.grammar.accept(req.output_token_ids[-1]):
+                logger.error("kvray engine: %s sampled a token its grammar refuses", req.request_id)
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             stop = self.outputs.on_token(req, logprobs[req.request_id])
             if stop is not None and not req.finished:
                 req.stop_reason = stop
@@ -343,7 +368,8 @@ class LLMEngine:
         and output kind (none for a FINAL_ONLY request that continues)."""
         if params.n != 1:
             raise InvalidArgumentError("n", params.n, "1 for a disaggregated request")
-        (req,) = self._make_samples(request_id, prompt, params, priority, None)
+        # the prefill sampled the first token under the same grammar: replay it
+        (req,) = self._make_samples(request_id, prompt, params, priority, None, made_elsewhere=[first_token])
         req.append_token(first_token)
         stop = self.outputs.on_token(req, first_logprobs)
         reason = RequestStatus.FINISHED_STOPPED if stop is not None else self.scheduler.stop_reason(req)

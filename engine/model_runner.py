@@ -268,7 +268,17 @@ def _sample_row(req) -> SampleRow:
         req.num_output_tokens,
         list(req.all_token_ids) if p.repetition_penalty != 1.0 else [],
         list(req.output_token_ids) if penalised else [],
+        req.grammar.token_bitmask() if req.grammar is not None else None,
+        _suppressed(req),
     )
+
+
+def _suppressed(req) -> list[int]:
+    """Tokens it may not sample yet: end-of-sequence and stop tokens before `min_tokens`."""
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens or (req.grammar is not None and req.grammar.is_terminated):
+        return []
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
 
 
 def _cumsum(values: list[int]) -> list[int]:

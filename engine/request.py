@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvray.engine.sampling_params import SamplingParams
+from kvray.engine.structured_outputs import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +70,7 @@ class Request:
     # per generated token: (sampled logprob, {token_id: (logprob, rank)}) when logprobs asked
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    grammar: GrammarMatcher | None = None  # where its structured output stands
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

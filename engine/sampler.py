@@ -10,11 +10,12 @@ Logprobs are those of the model's raw distribution (log_softmax of the logits), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvray.engine.sampling_params import SamplingParams
+from kvray.engine.structured_outputs import apply_token_bitmask
 
 
 @dataclass
@@ -28,6 +29,8 @@ class SampleRow:
     num_output_tokens: int
     all_token_ids: list[int]  # for repetition_penalty, else empty
     output_token_ids: list[int]  # for presence/frequency penalties, else empty
+    token_bitmask: torch.Tensor | None = None  # a grammar's allowed tokens (structured outputs)
+    suppressed_token_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_tokens
 
 
 @dataclass
@@ -51,6 +54,10 @@ class Sampler:
         raw = logits
         params = [r.sampling_params for r in requests]
         logits = self._apply_penalties(logits, requests)
+        logits = self._apply_logit_bias(logits, requests)
+        masks = {i: m for i, r in enumerate(requests) if (m := getattr(r, "token_bitmask", None)) is not None}
+        if masks:  # the grammar's mask last: nothing after it re-allows a token
+            logits = apply_token_bitmask(logits, list(masks), list(masks.values()))
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
@@ -80,6 +87,24 @@ class Sampler:
                 out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
                 counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
+        """OpenAI's logit_bias (added), then the suppressed tokens (-inf)."""
+        suppressed = [getattr(r, "suppressed_token_ids", None) for r in requests]  # SampleRows have them
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logit_bias or suppressed[i]]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            r = requests[i]
+            for token, bias in (r.sampling_params.logit_bias or {}).items():
+                if token < vocab:
+                    logits[i, token] += bias
+            if suppressed[i]:
+                logits[i, [t for t in suppressed[i] if t < vocab]] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRow]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvray.engine.structured_outputs import StructuredOutputsParams
 from kvray.errors import InvalidArgumentError, check_range
 
 _GREEDY_EPS = 1e-5
@@ -38,6 +39,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar its tokens follow
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +69,16 @@ class SamplingParams:
             check_range("logprobs", self.logprobs, low=0, high=20)
         if any(not s for s in self.stop_strings):
             raise InvalidArgumentError("stop", self.stop, "non-empty strings")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidArgumentError(
+                "structured_outputs", self.structured_outputs, "a StructuredOutputsParams"
+            )
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise InvalidArgumentError("logit_bias", token, "token ids >= 0 as keys")
+            check_range(f"logit_bias[{token}]", bias, low=-100.0, high=100.0)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidArgumentError(
                 "output_kind", self.output_kind, "a RequestOutputKind: CUMULATIVE, DELTA or FINAL_ONLY"

@@ -22,9 +22,11 @@ app (another replica's latest requests a fraction of a second late).
 # No `from __future__ import annotations`: FastAPI must see real types on the (pickled) routes.
 
 import asyncio
+import copy
 import dataclasses
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
@@ -33,6 +35,7 @@ from pathlib import Path
 import ray
 import yaml
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -40,18 +43,43 @@ from ray.serve.handle import DeploymentHandle
 from kvray.configs import DeploymentConfig, ServeConfig
 from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router import metrics
+from kvray.router.autoscaling import publish_waiting
 from kvray.router.frontend import Frontend, RequestTimeoutError
 from kvray.router.pools import pool_deployment
-from kvray.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from kvray.router.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    openapi_body,
+    openapi_schemas,
+    parse_request,
+    validate_body,
+)
 from kvray.router.responses import ResponseBuilder, Usage
 from kvray.router.router_deployment import RouterDeployment
 from kvray.router.streams import all_or_none, merge, sse
+from kvray.router.tool_calls import ToolCallParser, parser_for_template
 
 logger = logging.getLogger(__name__)
 PRESETS = Path(__file__).resolve().parent.parent / "configs"
 METRICS_PUBLISH_S = 0.2  # an ingress replica publishes its request metrics this soon after a change
+WAITING_REFRESH_S = 2.0  # ... and its waiting requests again this often while any wait
 
 app = FastAPI(title="kvray", description="OpenAI-compatible LLM serving on Ray")
+
+
+def _openapi() -> dict:
+    """FastAPI's document plus the request bodies' schemas (the routes name them)."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version="0.1.0", description=app.description, routes=app.routes)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 @app.exception_handler(APIError)
@@ -143,6 +171,10 @@ def _load_tokenizer(model: str):
     return load_tokenizer(resolve_model_path(model))
 
 
+def _any_waiting(waiting: dict[str, dict[str, float]]) -> bool:
+    return any(v for signals in waiting.values() for v in signals.values())
+
+
 def _metrics_key(app_name: str, front_id: str = "") -> bytes:
     return f"kvray/{app_name}/front-metrics/{front_id}".encode()
 
@@ -167,6 +199,8 @@ class OpenAIIngress:
         self.router = router  # the control plane: which workers serve a request
         self.limits = await router.model_info.remote()
         self.tokenizer = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_call_parser = self.config.tool_call_parser or parser_for_template(template)
         self.num_in_flight = 0
         self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
         deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
@@ -179,8 +213,17 @@ class OpenAIIngress:
 
         key = _metrics_key(self.config.app_name, self.front_id)
         stats, published = self.frontend.stats, -1
+        waiting_sent, waiting_at = {}, 0.0
         while True:
             await asyncio.sleep(METRICS_PUBLISH_S)
+            waiting = copy.deepcopy(self.frontend.waiting)
+            news = waiting != waiting_sent
+            if news or (_any_waiting(waiting) and time.monotonic() - waiting_at > WAITING_REFRESH_S):
+                try:  # for the pools' autoscaling policies: stamped, so stale ones are ignored
+                    await asyncio.to_thread(publish_waiting, self.config.app_name, self.front_id, waiting)
+                    waiting_sent, waiting_at = waiting, time.monotonic()
+                except Exception:
+                    logger.exception("kvray ingress: publishing waiting requests failed")
             if stats.version == published:
                 continue
             try:
@@ -192,11 +235,11 @@ class OpenAIIngress:
 
     # ---- HTTP ---------------------------------------------------------------------------
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(self, request: Request):
         return await self._http(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request):
         return await self._http(request, chat=True)
 
@@ -211,6 +254,40 @@ class OpenAIIngress:
             "max_model_len": self.limits["max_model_len"],
         }
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def tokenize(self, request: Request) -> dict:
+        """vLLM's shape: a prompt or chat messages -> {count, max_model_len, tokens, token_strs}."""
+        self._check_auth(request)
+        req = validate_body(TokenizeRequest, await self._read_json(request))
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give one of prompt or messages", param="prompt", code="invalid_value")
+        if req.messages is not None:
+            text = self._chat_text(
+                req.messages, req.tools, req.add_generation_prompt, req.continue_final_message
+            )
+            ids = self.tokenizer(text, add_special_tokens=bool(req.add_special_tokens)).input_ids
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.tokenizer(req.prompt, add_special_tokens=add).input_ids
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": self.limits["max_model_len"],
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize(self, request: Request) -> dict:
+        self._check_auth(request)
+        req = validate_body(DetokenizeRequest, await self._read_json(request))
+        self._check_model(req.model)
+        vocab = self.limits["vocab_size"]
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise APIError(400, f"tokens: ids in [0, {vocab - 1}]", param="tokens", code="invalid_value")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -291,13 +368,17 @@ class OpenAIIngress:
 
     async def _stream(self, body: dict, chat: bool) -> AsyncIterator[dict]:
         req, builder, jobs = self._prepare(body, chat)
+        num_prompt_tokens = _num_prompt_tokens(jobs, req.n)
         with self._admitted(len(jobs)):
             yield None  # validated and admitted: the caller may start the response now
             outs = {}
             try:
                 async for index, out in merge([self._outputs(*job) for job in jobs]):
                     outs[index] = out
-                    chunk = builder.delta_chunk(index, out, req.include_usage)
+                    so_far = None
+                    if req.continuous_usage:
+                        so_far = Usage(num_prompt_tokens, sum(len(c.token_ids) for c in outs.values()))
+                    chunk = builder.delta_chunk(index, out, req.include_usage, so_far)
                     if chunk is not None:
                         yield chunk
             except KvrayError as e:
@@ -310,15 +391,22 @@ class OpenAIIngress:
     def _prepare(self, body: dict, chat: bool):
         """Validate and tokenize: (request, response builder, [(request id, token ids, params)])."""
         req = parse_request(body, chat)
-        if req.model != self.config.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist", param="model", code="model_not_found")
+        self._check_model(req.model)
         try:
             params = req.to_params()
             prompts = self._prompts(req)
+            tools = self._tool_parser(req) if chat else None
         except InvalidArgumentError as e:
             raise APIError.invalid(e) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(chat, req.model, rid, self.tokenizer)
+        echo = {}
+        if not chat and req.echo:  # each choice starts with its prompt's text
+            echo = {
+                p * req.n + i: self.tokenizer.decode(ids)
+                for p, ids in enumerate(prompts)
+                for i in range(req.n)
+            }
+        builder = ResponseBuilder(chat, req.model, rid, self.tokenizer, tools=tools, echo=echo)
         jobs = []
         for p, prompt in enumerate(prompts):
             for i in range(req.n):
@@ -327,12 +415,34 @@ class OpenAIIngress:
                 jobs.append((f"{rid}-{p * req.n + i}", prompt, sample, req.request_timeout_s))
         return req, builder, jobs
 
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+
+    def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
+        mode = req.tool_mode
+        if mode == "none":
+            return None
+        function = req.forced_function()
+        return ToolCallParser(mode, self.tool_call_parser, function.name if function else None)
+
+    def _chat_text(
+        self, messages, tools, add_generation_prompt: bool = True, continue_final: bool = False
+    ) -> str:
+        """The conversation through the model's chat template (tools, if any, in it too)."""
+        conversation = [m.for_template() for m in messages]
+        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final,
+            continue_final_message=continue_final,
+            **extra,
+        )
+
     def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(req, ChatCompletionRequest):
-            conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
-            )
+            text = self._chat_text(req.messages, req.tools if req.tool_mode != "none" else None)
             prompts = [(text, self.tokenizer(text, add_special_tokens=False).input_ids)]
         else:
             raw = req.prompt

@@ -121,6 +121,15 @@ class _Inbox:
             for box in self.mailboxes.values():
                 box.put(_Gone(self.worker_id, error))
 
+    @property
+    def num_waiting(self) -> int:
+        return int(sum(w["running_requests"] for w in self.waiting.values()))
+
+    def _wait(self, role: str, num_tokens: int, sign: int) -> None:
+        w = self.waiting.setdefault(role, {"running_requests": 0.0, "queued_prompt_tokens": 0.0})
+        w["running_requests"] += sign
+        w["queued_prompt_tokens"] += sign * num_tokens
+
     def close(self) -> None:
         ray.cancel(self.stream)
         self.task.cancel()
@@ -137,7 +146,17 @@ class Frontend:
         self.block_size = config.engine.get("block_size", 16)
         self.inboxes: dict[str, _Inbox] = {}
         self.num_retries = 0
-        self.num_waiting = 0  # requests now waiting for a worker to join their pool
+        # requests now waiting for a worker to join their pool: role -> summed signal -> value
+        self.waiting: dict[str, dict[str, float]] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return int(sum(w["running_requests"] for w in self.waiting.values()))
+
+    def _wait(self, role: str, num_tokens: int, sign: int) -> None:
+        w = self.waiting.setdefault(role, {"running_requests": 0.0, "queued_prompt_tokens": 0.0})
+        w["running_requests"] += sign
+        w["queued_prompt_tokens"] += sign * num_tokens
 
     def close(self) -> None:
         for inbox in list(self.inboxes.values()):
@@ -237,7 +256,7 @@ class Frontend:
     ) -> tuple[object, PrefillResult]:
         tried: list[str] = []
         while True:
-            wid, handle = await self._route("prefill", key, tried, deadline)
+            wid, handle = await self._route("prefill", key, tried, deadline, len(req.prompt_token_ids))
             touched[wid] = handle
             try:
                 return handle, await _until(handle.prefill.remote(req), deadline, req.request_id)
@@ -251,7 +270,8 @@ class Frontend:
         deltas until the last."""
         tried: list[str] = list(exclude)
         while True:
-            wid, handle = await self._route(role, key, tried, deadline)
+            num_tokens = len(req.prompt_token_ids) + len(req.generated_token_ids)  # to compute there
+            wid, handle = await self._route(role, key, tried, deadline, num_tokens)
             touched[wid] = handle
             inbox = self._inbox(wid, handle)
             box = inbox.register(req.request_id)
@@ -285,10 +305,13 @@ class Frontend:
         if len(tried) > self.config.router.max_retries:
             raise NoWorkerError(f"gave up after {len(tried)} workers failed: {sorted(tried)}")
 
-    async def _route(self, role: str, key, exclude: list[str], deadline: float) -> tuple[str, object]:
+    async def _route(
+        self, role: str, key, exclude: list[str], deadline: float, num_tokens: int
+    ) -> tuple[str, object]:
         """Ask the Router. While it is (re)starting, ask again for up to ROUTER_WAIT_S;
         while the pool has no live worker (one died and Serve is replacing it), wait for
-        one to join until the request's deadline (counted in `num_waiting` meanwhile)."""
+        one to join until the request's deadline (counted in `waiting` meanwhile, with its
+        `num_tokens` to compute: the pool's autoscaling signals count them)."""
         router_deadline = time.monotonic() + ROUTER_WAIT_S
         waiting = False
         try:
@@ -300,12 +323,12 @@ class Frontend:
                         raise NoWorkerError(f"{e}; none joined before the request's deadline") from None
                     if not waiting:
                         waiting = True
-                        self.num_waiting += 1
+                        self._wait(role, num_tokens, +1)
                         logger.warning("kvray front: %s; waiting for one to join", e)
                 await asyncio.sleep(WORKER_POLL_S)
         finally:
             if waiting:
-                self.num_waiting -= 1
+                self._wait(role, num_tokens, -1)
 
     async def _ask_router(self, role: str, key, exclude: list[str], router_deadline: float):
         while True:

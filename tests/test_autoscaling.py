@@ -55,6 +55,27 @@ def test_policy_never_asks_for_zero_and_keeps_its_state():
     assert policy(ctx)[0] == 4  # ceil(13 / 4)
 
 
+def test_requests_waiting_at_the_ingresses_count_in_the_summed_signals():
+    # 3 requests (900 prompt tokens) wait for a worker of the pool to join
+    waiting = {"running_requests": 3.0, "queued_prompt_tokens": 900.0}
+    ctx = SimpleNamespace(
+        aggregated_metrics={"running_requests": {"r1": 6.0}, "queued_prompt_tokens": {"r1": 600.0}},
+        current_num_replicas=1,
+        policy_state={},
+    )
+    assert PoolPolicy("decode", TARGETS, waiting=lambda: waiting)(ctx)[0] == 3  # ceil((6 + 3) / 4)
+    assert PoolPolicy("prefill", TARGETS, waiting=lambda: waiting)(ctx)[0] == 2  # ceil(1500 / 1000)
+    # the pool is empty (its worker died): the waiting requests alone decide
+    ctx.aggregated_metrics = {}
+    assert PoolPolicy("mixed", TARGETS, waiting=lambda: waiting)(ctx)[0] == 1  # ceil(3 / 4), ceil(0.9)
+    assert PoolPolicy("decode", TARGETS, waiting=lambda: {"running_requests": 9.0})(ctx)[0] == 3
+
+    def unreachable():
+        raise ConnectionError("GCS restarting")
+
+    assert PoolPolicy("decode", TARGETS, waiting=unreachable)(ctx)[0] == 1  # keeps its size
+
+
 def test_autoscaling_config_maps_the_pool_fields():
     pool = PoolConfig(
         num_workers=3,
@@ -65,6 +86,7 @@ def test_autoscaling_config_maps_the_pool_fields():
     assert (cfg["upscale_delay_s"], cfg["downscale_delay_s"]) == (1, 5)
     assert cfg["policy"]["policy_function"] == "kvray.router.autoscaling:PoolPolicy"
     assert cfg["policy"]["policy_kwargs"]["targets"]["target_running_requests"] == 32
+    assert autoscaling_config("decode", pool, "app-1")["policy"]["policy_kwargs"]["app_name"] == "app-1"
     with pytest.raises(ValueError, match="max_workers"):
         PoolConfig(autoscaling={"min_workers": 3, "max_workers": 2})
 
@@ -125,6 +147,23 @@ def _burst(handle, prompts: list[str], max_tokens: int) -> list:
     base = {"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     requests = [{**base, "prompt": p} for p in prompts]
     return [r.result(timeout_s=300) for r in [handle.generate.remote(req) for req in requests]]
+
+
+def test_waiting_requests_reach_the_policy_through_rays_kv(local_serve, monkeypatch):
+    """Two ingresses publish their waiting requests; one of them stopped publishing a
+    minute ago (it is gone): the policy counts only the fresh one."""
+    from kvray.router import autoscaling
+
+    now = time.time()
+    autoscaling.publish_waiting("kv-app", "ingress-a", {"decode": {"running_requests": 7.0}})
+    monkeypatch.setattr(autoscaling.time, "time", lambda: now - 60)
+    autoscaling.publish_waiting("kv-app", "ingress-b", {"decode": {"running_requests": 50.0}})
+    monkeypatch.undo()
+    autoscaling.publish_waiting("other-app", "ingress-c", {"decode": {"running_requests": 40.0}})
+    assert autoscaling.read_waiting("kv-app", "decode") == {"running_requests": 7.0}
+    assert autoscaling.read_waiting("kv-app", "prefill") == {}
+    ctx = SimpleNamespace(aggregated_metrics={}, current_num_replicas=1, policy_state={})
+    assert PoolPolicy("decode", TARGETS, app_name="kv-app")(ctx)[0] == 2  # ceil(7 / 4)
 
 
 @pytest.mark.slow

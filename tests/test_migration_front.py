@@ -135,9 +135,12 @@ def test_a_request_waits_for_a_worker_to_join_its_pool():
     waits, then runs on the worker that joined; with too short a deadline it fails."""
     from kvray.router.router import NoWorkerError
 
+    seen = []  # what the front counts as waiting, at each ask
+
     class EmptyThenOne(FakeRouter):
         def _route(self, role, key=None, exclude=()):
             self.asked = getattr(self, "asked", 0) + 1
+            seen.append(dict(front.waiting.get(role, {})))
             if self.asked <= 2:
                 raise NoWorkerError("no live mixed worker")
             return super()._route(role, key, exclude)
@@ -145,6 +148,9 @@ def test_a_request_waits_for_a_worker_to_join_its_pool():
     front = Frontend(EmptyThenOne([FinishingWorker("mixed-1")]), DeploymentConfig(disaggregated=False), "f")
     assert _run(front) == ("abc", [11, 12, 13], "length")
     assert front.num_waiting == 0 and front.router.asked == 3
+    # 1 request of 3 prompt tokens waits from the first refusal until a worker takes it
+    assert seen == [{}] + [{"running_requests": 1.0, "queued_prompt_tokens": 3.0}] * 2
+    assert front.waiting["mixed"] == {"running_requests": 0.0, "queued_prompt_tokens": 0.0}
 
     front = Frontend(EmptyThenOne([FinishingWorker("mixed-1")]), DeploymentConfig(disaggregated=False), "f")
 
