@@ -11,6 +11,7 @@ not compared further.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -182,14 +183,26 @@ def assert_matches_reference(model, prompt_ids, got: list[int], want: list[int])
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_sharded_llm_gives_transformers_tokens(local_ray, engine_args, reference, hf_smollm2, tp, pp):
-    from kvray.engine import LLM, SamplingParams
+    from kvray.engine import LLM, SamplingParams, StructuredOutputsParams
 
     prompts, want = reference
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     with LLM(**engine_args, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         )
+        # a grammar's mask travels with the step's plan to the sampling rank (the last stage)
+        constrained = SamplingParams(
+            temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        answer = llm.generate("A number as JSON:", constrained)[0].outputs[0].text
         stats = llm.kv_cache_stats()
+    assert isinstance(json.loads(answer)["n"], int), answer
     for p, out, w in zip(prompts, outs, want):
         assert_matches_reference(hf_smollm2, p, out.outputs[0].token_ids, w)
     assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_free_blocks == stats.total_blocks
