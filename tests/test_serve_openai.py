@@ -123,7 +123,9 @@ def _wait_clean(timeout: float = 30.0):
         stats = _worker_stats()
         if all(s.used_blocks == 0 and s.pinned == 0 and s.num_running == 0 for s in stats):
             return stats
-        assert time.monotonic() < deadline, stats
+        assert time.monotonic() < deadline, [
+            (s.worker_id, s.num_running, s.used_blocks, s.pinned) for s in stats
+        ]
         time.sleep(0.2)
 
 
