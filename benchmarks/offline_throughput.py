@@ -1,142 +1,133 @@
-"""Offline throughput: kvray's LLM.generate against transformers' generate, same run.
+"""Offline throughput against the matmul roofline, transformers and (optionally) vLLM, one run.
 
-64 requests, prompt lengths uniform in [32, 512] tokens cut from real English text (the
-Python documentation shipped with CPython, `pydoc_data.topics`), max_tokens uniform in
-[16, 256], ignore_eos, fixed seed, bf16. The baseline is how transformers users batch:
-static batches of 16, left padded, each batch run to its longest request. Both sides
-are credited only with the tokens the requests asked for.
+Workload (kvray's reference mix, as `kvray bench serve --dataset-name mix`): 32 requests,
+prompts 32-384 tokens of English words, outputs 16-160 tokens, `ignore_eos`, greedy,
+`dtype="auto"` (fp32 on a CPU without bf16 instructions). Useful tok/s = the output tokens
+the requests asked for / wall time.
 
-Also reports kvray's decode model-FLOPs utilisation against a bf16 matmul peak measured
-in this run, and (with --profile) where a decode step's time goes.
+The roofline is measured in the same run: the workload's model matmul FLOPs (weights for
+every prompt and output token, the LM head where a token is sampled, attention over each
+token's context; from the HF config and the token counts) divided by the best rate of
+`F.linear` in the chosen dtype at the model's own shapes, i.e. the time the workload takes
+if every matmul ran at this machine's best rate and nothing else cost anything.
 
-    python benchmarks/offline_throughput.py [--num-requests 64] [--skip-baseline] [--profile]
+Baselines: transformers' `generate` in static batches of 16 (left padded, each batch run
+to its longest request, as its users batch), and with `--vllm PYTHON` vLLM's CPU build
+run from that interpreter (a separate venv: it pins its own torch) on the same prompts.
+
+    python benchmarks/offline_throughput.py [--num-requests 32] [--vllm /path/to/python]
+        [--skip-transformers] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import random
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from serve_datasets import DatasetArgs, WordVocab, sample_requests
+from serve_harness import cpu_banner
+
+VLLM_SCRIPT = Path(__file__).with_name("vllm_offline.py")
 
 
-def real_text_token_pool(tokenizer) -> list[int]:
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return tokenizer(text).input_ids
-
-
-def make_requests(pool: list[int], n: int, seed: int, min_in=32, max_in=512, min_out=16, max_out=256):
-    rng = random.Random(seed)
-    reqs = []
-    for _ in range(n):
-        length = rng.randint(min_in, max_in)
-        start = rng.randint(0, len(pool) - length - 1)
-        reqs.append((pool[start : start + length], rng.randint(min_out, max_out)))
-    return reqs
+def workload(tokenizer, num_requests: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) per request."""
+    reqs = sample_requests("mix", DatasetArgs(num_prompts=num_requests, seed=seed), WordVocab(tokenizer))
+    return [(tokenizer(r.prompt).input_ids, r.expected_output_len) for r in reqs]
 
 
-def bf16_matmul_peak(size: int = 2048, reps: int = 10, trials: int = 3) -> float:
-    """FLOP/s of a square bf16 matmul on this machine, now (best of a few trials)."""
-    a = torch.randn(size, size, dtype=torch.bfloat16)
-    b = torch.randn(size, size, dtype=torch.bfloat16)
-    for _ in range(2):
-        a @ b
-    best = 0.0
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        best = max(best, 2 * size**3 * reps / (time.perf_counter() - t))
-    return best
+def model_shapes(cfg) -> list[tuple[int, int]]:
+    """(in, out) of each weight matmul a token goes through (qkv, o, gate_up, down, LM head)."""
+    h = cfg.hidden_size
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return [
+        (h, q + 2 * kv),
+        (q, h),
+        (h, 2 * cfg.intermediate_size),
+        (cfg.intermediate_size, h),
+        (h, cfg.vocab_size),
+    ]
 
 
-def decode_flops_per_token(hf_config, context: float) -> float:
-    """Matmul FLOPs of one decode token: weights (LM head included) plus attention."""
-    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
-    hd = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
-    q, kv = hf_config.num_attention_heads * hd, hf_config.num_key_value_heads * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * hf_config.intermediate_size
-    weights = layers * per_layer + h * hf_config.vocab_size
-    attention = layers * 2 * q * context  # QK^T and PV
-    return 2 * (weights + attention)
+def workload_flops(cfg, reqs) -> float:
+    """Matmul FLOPs of the whole workload (multiply-adds x 2)."""
+    *layer, head = model_shapes(cfg)
+    per_token = cfg.num_hidden_layers * sum(i * o for i, o in layer)
+    q = cfg.num_attention_heads * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    )
+    macs = 0.0
+    for ids, out in reqs:
+        tokens = len(ids) + out - 1  # the last output token is sampled, never fed back
+        macs += tokens * per_token + out * head[0] * head[1]
+        # attention: QK^T and PV of each token over its context (causal), every layer
+        macs += cfg.num_hidden_layers * 2 * q * sum(range(1, tokens + 1))
+    return 2 * macs
+
+
+def best_matmul_rate(
+    cfg, dtype: torch.dtype, rows=(16, 32, 64, 128, 256, 512), reps: int = 5
+) -> tuple[float, str]:
+    """FLOP/s of the fastest linear at the model's shapes in `dtype` (torch's `F.linear`
+    and, where oneDNN takes the dtype, a oneDNN-packed weight as kvray runs it), and where."""
+    from kvray.models.cpu_linear import can_pack, linear, pack_weight
+
+    packs = can_pack(dtype, torch.device("cpu"))
+    best, where = 0.0, ""
+    for i, o in model_shapes(cfg):
+        w = torch.randn(o, i, dtype=dtype)
+        ways = {"F.linear": (w, None)} | ({"oneDNN packed": (None, pack_weight(w))} if packs else {})
+        for t in rows:
+            x = torch.randn(t, i, dtype=dtype)
+            for way, (dense, packed) in ways.items():
+                linear(x, dense, None, packed)
+                seconds = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        linear(x, dense, None, packed)
+                    seconds = min(seconds, (time.perf_counter() - start) / reps)
+                rate = 2 * t * i * o / seconds
+                if rate > best:
+                    best, where = rate, f"{way} [{t}x{i}] @ [{i}x{o}]"
+    return best, where
 
 
 def run_kvray(model: str, reqs, args) -> dict:
     from kvray.engine import LLM, SamplingParams
 
-    llm = LLM(
-        model=model,
-        dtype="bfloat16",
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-    )
-    engine = llm.engine
-    llm.generate([{"prompt_token_ids": reqs[0][0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
-    for i, (ids, m) in enumerate(reqs):
-        engine.add_request(
-            str(i), {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-        )
-    decode_time, decode_tokens, decode_ctx = 0.0, 0, 0
+    llm = LLM(model=model, dtype="auto", max_model_len=2048, seed=args.seed)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    llm.generate(prompts[:4], params[:4])  # warm up
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        running = list(engine.scheduler.running)
-        pure_decode = not engine.scheduler.waiting and all(
-            r.num_tokens - r.num_computed_tokens == 1 for r in running
-        )
-        t = time.perf_counter()
-        engine.step()
-        if pure_decode and running:
-            decode_time += time.perf_counter() - t
-            decode_tokens += len(running)
-            decode_ctx += sum(r.num_computed_tokens for r in running)
-    elapsed = time.perf_counter() - start
-    generated = sum(m for _, m in reqs)
-    avg_ctx = decode_ctx / max(decode_tokens, 1)
-    flops = decode_flops_per_token(engine.hf_config, avg_ctx) * decode_tokens
-    out = {
-        "seconds": elapsed,
-        "tok_s": generated / elapsed,
-        "decode_tok_s": decode_tokens / max(decode_time, 1e-9),
-        "decode_flops_s": flops / max(decode_time, 1e-9),
-        "decode_share": decode_time / elapsed,
-    }
+    llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    out = {"seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."), "llm": llm}
     if args.profile:
-        out["profile"] = profile_decode(llm, reqs)
+        out["profile"] = profile(llm, prompts, params)
     return out
 
 
-def profile_decode(llm, reqs, steps: int = 5) -> str:
+def profile(llm, prompts, params) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    from kvray.engine import SamplingParams
-
-    engine = llm.engine
-    for i, (ids, _) in enumerate(reqs[: llm.engine.config.max_num_seqs]):
-        engine.add_request(
-            f"p{i}",
-            {"prompt_token_ids": ids},
-            SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
-        )
-    while engine.scheduler.waiting or any(
-        r.num_tokens - r.num_computed_tokens > 1 for r in engine.scheduler.running
-    ):
-        engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-    engine.abort_request([f"p{i}" for i in range(len(reqs))])
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        llm.generate(prompts, params)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
-def run_transformers(model_path, reqs, batch_size: int) -> dict:
+def run_transformers(model_path, reqs, dtype: torch.dtype, batch_size: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     pad = model.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
     start = time.perf_counter()
@@ -155,59 +146,83 @@ def run_transformers(model_path, reqs, batch_size: int) -> dict:
                 do_sample=False,
                 pad_token_id=pad,
             )
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "tok_s": sum(m for _, m in reqs) / elapsed}
+    return time.perf_counter() - start
+
+
+def run_vllm(python: str, model_path, reqs, dtype: str, threads: int) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": str(model_path), "dtype": dtype, "requests": reqs}, f)
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "PATH": "/usr/bin:/bin",
+    }
+    done = subprocess.run([python, str(VLLM_SCRIPT), f.name], capture_output=True, text=True, env=env)
+    Path(f.name).unlink()
+    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("{")), None)
+    if done.returncode != 0 or line is None:
+        sys.exit(f"vLLM run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(line)["seconds"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline-batch-size", type=int, default=16)
-    parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of decode steps")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build from this interpreter")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of kvray's run")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
-
-    from kvray.models.loader import resolve_model_path
+    from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    reqs = make_requests(real_text_token_pool(tokenizer), args.num_requests, args.seed)
-    peak = bf16_matmul_peak()
-    kv = run_kvray(str(path), reqs, args)
-    hf = None if args.skip_baseline else run_transformers(path, reqs, args.baseline_batch_size)
+    cfg = load_config(path)
+    reqs = workload(load_tokenizer(path), args.num_requests, args.seed)
+    useful = sum(m for _, m in reqs)
+    flops = workload_flops(cfg, reqs)
 
-    print(
-        f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s"
-    )
-    print(
-        f"workload: {len(reqs)} requests, prompts {sum(len(i) for i, _ in reqs)} tokens, "
-        f"generated {sum(m for _, m in reqs)} tokens, bf16, greedy, ignore_eos\n"
-    )
-    print("| engine | seconds | generated tok/s |")
-    print("|---|---|---|")
-    print(
-        f"| kvray LLM.generate (max_num_seqs={args.max_num_seqs}) | {kv['seconds']:.1f} | {kv['tok_s']:.1f} |"
-    )
-    if hf:
-        print(
-            f"| transformers generate, static batches of {args.baseline_batch_size} | "
-            f"{hf['seconds']:.1f} | {hf['tok_s']:.1f} |"
+    kv = run_kvray(str(path), reqs, args)
+    dtype = kv["llm"].engine.dtype
+    rate, shape = best_matmul_rate(cfg, dtype)
+    roofline_s = flops / rate
+    rows = [("kvray `LLM.generate`", kv["seconds"])]
+    if not args.skip_transformers:
+        rows.append((f"transformers `generate`, static batches of {args.baseline_batch_size}",
+                     run_transformers(path, reqs, dtype, args.baseline_batch_size)))  # fmt: skip
+    if args.vllm:
+        rows.append(
+            ("vLLM CPU `LLM.generate` (eager)", run_vllm(args.vllm, path, reqs, kv["dtype"], args.threads))
         )
-        print(f"\nratio kvray / transformers: **{kv['tok_s'] / hf['tok_s']:.2f}x**")
+
+    print(f"\n{cpu_banner()}; torch {torch.__version__}, {args.threads} threads; dtype auto -> {kv['dtype']}")
     print(
-        f"kvray decode-only steps: {kv['decode_tok_s']:.0f} tok/s, "
-        f"{kv['decode_flops_s'] / 1e9:.0f} GFLOP/s = {100 * kv['decode_flops_s'] / peak:.0f}% of the "
-        f"bf16 matmul peak (MFU); decode steps took {100 * kv['decode_share']:.0f}% of kvray's time"
+        f"workload: {len(reqs)} requests (mix), {sum(len(i) for i, _ in reqs)} prompt tokens, "
+        f"{useful} output tokens, greedy, ignore_eos; {flops / 1e12:.2f} TFLOP of model matmuls"
     )
+    print(
+        f"roofline: best {kv['dtype']} linear at the model's shapes {rate / 1e9:.1f} GFLOP/s ({shape}) "
+        f"-> {roofline_s:.1f} s, {useful / roofline_s:.1f} useful tok/s\n"
+    )
+    print("| engine | seconds | useful tok/s | of the roofline | vs kvray |")
+    print("|---|---|---|---|---|")
+    for name, seconds in rows:
+        print(
+            f"| {name} | {seconds:.1f} | {useful / seconds:.1f} | {100 * roofline_s / seconds:.0f} % | "
+            f"{kv['seconds'] / seconds:.2f}x |"
+        )
+    if len(rows) > 1:
+        print(
+            f"\nkvray / transformers: **{rows[1][1] / kv['seconds']:.2f}x**"
+            if not args.skip_transformers
+            else ""
+        )
     if "profile" in kv:
-        print("\nwhere a decode step's time goes (torch.profiler, 5 steps at full batch):\n")
+        print("\nwhere kvray's time goes (torch.profiler, one more run of the workload):\n")
         print(kv["profile"])
 
 

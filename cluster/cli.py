@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="answer one prompt with the offline engine")
     gen.add_argument("--model", default="smollm2-135m-instruct")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--prompt", default=DEFAULT_CHAT)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     gen.add_argument("--max-tokens", type=int, default=64)

@@ -18,7 +18,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwis
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: bf16 on CUDA (fp16 without bf16); on CPU bf16 only if native, else fp32
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512

@@ -19,21 +19,15 @@ import torch.distributed as dist
 
 from kvray.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from kvray.engine.cpu_allocator import keep_freed_memory_in_heap
+from kvray.engine.dtype import resolve_dtype
 from kvray.engine.sampler import Sampler, SamplerOutput, SampleRow
 from kvray.engine.scheduler import SchedulerOutput
 from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionMetadata, get_backend
+from kvray.models.cpu_linear import pack_model
 from kvray.models.layers import head_dim_of
 from kvray.models.loader import build_model
 from kvray.models.parallel import ShardContext
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def engine_device(config: EngineConfig) -> torch.device:
@@ -46,6 +40,7 @@ def build_runner(config: EngineConfig, hf_config, model_path, shard: ShardContex
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = resolve_max_model_len(config, hf_config)
     model = build_model(hf_config, model_path, dtype, device, max_model_len, shard)
+    pack_model(model, dtype, device)  # CPU: weights in oneDNN's layout, packed once
     return ModelRunner(config, model, hf_config, device, dtype, max_model_len, shard)
 
 

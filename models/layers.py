@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.models.cpu_linear import linear, pack_weight
 from kvray.models.parallel import ShardContext
 
 
@@ -43,6 +44,7 @@ class PackedLinear(nn.Module):
             start += len(rows)
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.zeros(start)) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU)
         self.weight.weight_loader = self._load
         if self.bias is not None:
             self.bias.weight_loader = self._load
@@ -51,8 +53,12 @@ class PackedLinear(nn.Module):
         start, rows = self.offsets[part]
         param.data[start : start + len(rows)].copy_(loaded[rows.start : rows.stop])
 
+    def pack_for_cpu(self) -> None:
+        """Multiply through a oneDNN-packed copy from now on (loaded weights only)."""
+        self.packed, self.weight = pack_weight(self.weight), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -65,15 +71,19 @@ class RowParallelLinear(nn.Module):
         self.shard = shard
         self.weight = nn.Parameter(torch.empty(out_features, len(in_cols)))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU)
         self.weight.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
         param.data.copy_(loaded[:, self.in_cols.start : self.in_cols.stop])
 
+    def pack_for_cpu(self) -> None:
+        self.packed, self.weight = pack_weight(self.weight), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.shard.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed)
+        y = self.shard.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 

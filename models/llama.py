@@ -16,6 +16,7 @@ from torch import nn
 
 from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata
+from kvray.models.cpu_linear import linear, pack_weight
 from kvray.models.layers import (
     PackedLinear,
     RMSNorm,
@@ -135,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             if not self.tie_word_embeddings:
                 self.lm_head = VocabParallelEmbedding(vocab, config.hidden_size, shard)
+        self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (CPU)
 
     def forward(
         self,
@@ -156,9 +158,15 @@ class LlamaForCausalLM(nn.Module):
         tensor rank of it takes part in the gather)."""
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        logits = F.linear(hidden, head.weight)
+        logits = linear(hidden, head.weight, None, self.packed_head)
         width = -(-self.config.vocab_size // self.shard.tp_size)
         return self.shard.all_gather_last(logits, width)[:, : self.config.vocab_size].float()
+
+    def pack_for_cpu(self) -> None:
+        """The LM head's packed copy (the embedding keeps its rows: a tied head shares them)."""
+        if self.shard.spec.is_last_stage:
+            head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
+            self.packed_head = pack_weight(head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (full, unsharded) into our parameters, each parameter

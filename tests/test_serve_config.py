@@ -17,7 +17,7 @@ from kvray.router.app import load_config  # noqa: E402
 def test_presets_validate_and_build(preset, disaggregated):
     config = load_config(preset)
     assert config.disaggregated is disaggregated
-    assert config.engine["dtype"] == "float32"
+    assert config.engine["dtype"] == "auto"  # fp32 on a CPU without bf16 instructions
     pools = [config.prefill, config.decode] if disaggregated else [config.mixed]
     assert all(p.num_workers == 1 and p.num_cpus <= 1 for p in pools)
     assert sum(p.torch_threads for p in pools) == 2  # the 2-core machine's cores, no more
