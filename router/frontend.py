@@ -121,15 +121,6 @@ class _Inbox:
             for box in self.mailboxes.values():
                 box.put(_Gone(self.worker_id, error))
 
-    @property
-    def num_waiting(self) -> int:
-        return int(sum(w["running_requests"] for w in self.waiting.values()))
-
-    def _wait(self, role: str, num_tokens: int, sign: int) -> None:
-        w = self.waiting.setdefault(role, {"running_requests": 0.0, "queued_prompt_tokens": 0.0})
-        w["running_requests"] += sign
-        w["queued_prompt_tokens"] += sign * num_tokens
-
     def close(self) -> None:
         ray.cancel(self.stream)
         self.task.cancel()

@@ -36,7 +36,7 @@ UNSUPPORTED = {
     "reasoning_effort": "reasoning_effort (no reasoning model is served)",
 }
 # fields OpenAI accepts that change nothing a server computes
-ACCEPTED_NO_OP = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+ACCEPTED_NO_OP = {"store", "metadata", "service_tier"}
 
 
 class APIError(Exception):
