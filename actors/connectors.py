@@ -26,6 +26,7 @@ from kvray.actors.pair_group import PairGroups, host_store, join_pair_groups
 from kvray.configs import KVTransferConfig
 from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, layer_chunks, pack_blocks, unpack_blocks
 from kvray.errors import KvrayError
+from kvray.timeouts import wait_for
 
 TAGS_PER_PULL = 4096  # header + at most one chunk per layer
 REQUEST_TAG = 0  # control-group tag of pull requests
@@ -144,7 +145,7 @@ class KVConnector(ABC):
 class ObjectStoreConnector(KVConnector):
     async def pull(self, ticket, prefill, kv_cache, dst_blocks):
         try:
-            packed = await asyncio.wait_for(
+            packed = await wait_for(
                 prefill.export_kv.remote(ticket.request_id), self.config.pull_timeout_seconds
             )
         except Exception as e:  # actor died, timed out
@@ -160,7 +161,7 @@ class ObjectStoreConnector(KVConnector):
     async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
         try:
             _check_start(start_by, source_id)
-            packed = await asyncio.wait_for(
+            packed = await wait_for(
                 source.export_piece.remote(src_blocks, *src), self.config.pull_timeout_seconds
             )
             await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed, *dst)

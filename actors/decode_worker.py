@@ -60,7 +60,7 @@ class DecodeWorker(EngineWorker):
             if self.pulling.pop(rid, False):  # aborted while its blocks were being written
                 self.llm.abort(rid)
 
-    async def abort(self, request_id: str) -> None:
+    async def _abort(self, request_id: str) -> None:
         if request_id in self.pulling:  # its blocks are being written: abort after the pull
             self.pulling[request_id] = True
             return

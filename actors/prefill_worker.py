@@ -32,7 +32,7 @@ class PrefillWorker(EngineWorker):
 
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         """Run the prompt and sample its first token; the blocks stay pinned for a pull."""
-        self._check_accepting()
+        self._check_accepting(req.request_id)
         start = time.monotonic()
         rid = req.request_id
         prompt = {"prompt_token_ids": req.prompt_token_ids}
@@ -71,7 +71,7 @@ class PrefillWorker(EngineWorker):
             cost_usd=self.price_per_hour / 3600.0 * (metrics.step_seconds if metrics is not None else 0.0),
         )
 
-    async def abort(self, request_id: str) -> None:
+    async def _abort(self, request_id: str) -> None:
         """The front gave up on the request (deadline, client gone): stop its prefill if it
         runs, and let its pin go if it has finished (no decode worker will pull it)."""
         self.llm.abort(request_id)

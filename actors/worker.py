@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -36,6 +37,12 @@ from kvray.errors import KvrayError
 
 logger = logging.getLogger(__name__)
 Role = Literal["prefill", "decode", "mixed"]
+ABORT_MEMORY_S = 300.0  # how long a worker refuses a request whose abort came first
+
+
+class RequestAbortedError(KvrayError):
+    """The request's abort reached this worker before the request did (an async actor
+    does not keep one caller's order): it is refused, so it cannot run with nobody to read it."""
 
 
 class WorkerLeavingError(KvrayError):
@@ -80,6 +87,7 @@ class EngineWorker:
         self.price_per_hour = price_per_hour
         self.outbox: Outbox | None = None  # made on the actor's loop, at first use
         self.accepting = True
+        self.aborted: dict[str, float] = {}  # request id -> when its abort came (oldest first)
 
     async def ready(self) -> str:
         """Health: this actor and every shard of its group are alive."""
@@ -90,9 +98,12 @@ class EngineWorker:
         """Take no new request (they get WorkerLeavingError); finish the ones held."""
         self.accepting = False
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, request_id: str) -> None:
         if not self.accepting:
             raise WorkerLeavingError(f"worker {self.worker_id} is draining")
+        if request_id in self.aborted:
+            logger.warning("kvray worker %s: %s came after its abort; refused", self.worker_id, request_id)
+            raise RequestAbortedError(f"request {request_id} was aborted before it reached {self.worker_id}")
 
     # ---- the token path -----------------------------------------------------------------
 
@@ -114,7 +125,7 @@ class EngineWorker:
         return self.outbox
 
     def _admit(self, req: EngineRequest) -> Outbox:
-        self._check_accepting()
+        self._check_accepting(req.request_id)
         outbox = self._outbox()
         outbox.register(req.request_id, req.destination)
         return outbox
@@ -137,6 +148,16 @@ class EngineWorker:
             raise
 
     async def abort(self, request_id: str) -> None:
+        """Stop the request here and free its blocks. Ray may run this before the call
+        that brings the request (async actors reorder one caller's calls): the id is
+        remembered for ABORT_MEMORY_S, and the request is refused if it comes later."""
+        now = time.monotonic()
+        self.aborted[request_id] = now
+        while now - next(iter(self.aborted.values())) > ABORT_MEMORY_S:
+            del self.aborted[next(iter(self.aborted))]
+        await self._abort(request_id)
+
+    async def _abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
 
     # ---- reports ------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from kvray.errors import KvrayError
 from kvray.router.metrics import RequestStats, RequestTimer
 from kvray.router.policy import prefix_key
 from kvray.router.router import DEAD, NoWorkerError
+from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 ROUTER_WAIT_S = 60.0  # how long a front keeps asking a Router that is (re)starting
@@ -354,7 +355,7 @@ class Frontend:
 async def _until(awaitable, deadline: float, request_id: str):
     """Await it, or raise RequestTimeoutError once the request's deadline has passed."""
     try:
-        return await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
+        return await wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
     except TimeoutError:
         raise RequestTimeoutError(f"request {request_id} passed its deadline") from None
 

@@ -22,6 +22,7 @@ from ray import serve
 
 from kvray.actors.launch import start_worker_in, worker_bundles
 from kvray.configs import ServeConfig
+from kvray.timeouts import wait_for
 
 DRAIN_SECONDS = 60.0  # a leaving worker finishes its requests for at most this long
 WORKER_CALL_S = 5.0
@@ -56,13 +57,13 @@ class PoolReplica:
         prefills are pulled or expire), then stop it."""
         deadline = time.monotonic() + DRAIN_SECONDS
         try:
-            await asyncio.wait_for(self.worker.drain.remote(), WORKER_CALL_S)
+            await wait_for(self.worker.drain.remote(), WORKER_CALL_S)
             while time.monotonic() < deadline:
                 load = await self.worker.load_signals.remote()
                 if not load["running_requests"] and not load["kv_handoffs"]:
                     break
                 await asyncio.sleep(0.2)
-            await asyncio.wait_for(self.worker.shutdown.remote(), WORKER_CALL_S)
+            await wait_for(self.worker.shutdown.remote(), WORKER_CALL_S)
         except Exception:  # the worker is already gone
             pass
         finally:

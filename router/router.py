@@ -27,6 +27,7 @@ from kvray.actors.messages import WorkerStats
 from kvray.configs import DeploymentConfig
 from kvray.errors import KvrayError
 from kvray.router.policy import WorkerLoad, choose_decode, choose_prefill
+from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 DEAD = (RayActorError, ActorUnavailableError)
@@ -92,7 +93,7 @@ class Router:
     async def _probe(self, w: _Worker) -> None:
         try:
             # shielded: a slow answer still lands (it is only a load report)
-            s = await asyncio.wait_for(asyncio.shield(self._stats(w)), STATS_TIMEOUT_S)
+            s = await wait_for(asyncio.shield(self._stats(w)), STATS_TIMEOUT_S)
         except DEAD:
             self.remove_worker(w.worker_id, "failed its health check")
         except Exception as e:  # slow or failing, but alive: keep it, stop routing to it
