@@ -3,8 +3,10 @@
 Same cache layout and semantics as the Triton kernels, organised for few large torch
 calls per layer:
 
-* decode rows (q_len == 1) go through batched matmuls, sequences of similar context
-  length grouped together so little time goes to padding;
+* decode rows (q_len == 1) go to the native CPU kernel (kernels/cpu_decode.c: reads K/V
+  straight from their blocks, one pass) where it is built and the cache is fp32; else
+  through batched matmuls, sequences of similar context length grouped together so
+  little time goes to padding;
 * a prefill chunk with no cached prefix attends to its own fresh K/V (no cache read);
 * a prefill chunk after a cached prefix reads its context through its block table.
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata, register_backend
 from kvray.kernels.reference import context_mask
 
@@ -51,9 +54,19 @@ class _PrefillPlan:
 
 
 @dataclass
+class _NativeDecode:
+    """Every decode sequence of the step, for the native kernel."""
+
+    rows: torch.Tensor  # int64 [Sd]: their q rows
+    block_tables: torch.Tensor  # int32 [Sd, nb], contiguous
+    seq_lens: torch.Tensor  # int32 [Sd]
+
+
+@dataclass
 class _Plan:
     decode: list[_DecodeGroup]
     prefills: list[_PrefillPlan]
+    native: _NativeDecode | None = None  # None: the kernel is not built here, or no decode rows
 
 
 def split_by_length(lengths: list[int], group_cost: int, max_groups: int) -> list[int]:
@@ -88,6 +101,13 @@ class TorchBackend(AttentionBackend):
         decode_seqs = sorted(
             (i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens_host[i]
         )
+        native = None
+        if decode_seqs and device.type == "cpu" and cpu_native.library() is not None:
+            native = _NativeDecode(
+                rows=torch.tensor([starts[i] for i in decode_seqs]),
+                block_tables=block_tables[decode_seqs].contiguous(),
+                seq_lens=torch.tensor([meta.seq_lens_host[i] for i in decode_seqs], dtype=torch.int32),
+            )
         groups, begin = [], 0
         lengths = [meta.seq_lens_host[i] for i in decode_seqs]
         for end in split_by_length(lengths, _GROUP_COST_TOKENS, _MAX_DECODE_GROUPS) if lengths else []:
@@ -106,7 +126,7 @@ class TorchBackend(AttentionBackend):
                 slots = (slots + pos % meta.block_size).to(device)
                 mask = context_mask(q_len, seq_len, None, device)
             prefills.append(_PrefillPlan(starts[i], starts[i] + q_len, slots, mask))
-        meta.plan = _Plan(groups, prefills)
+        meta.plan = _Plan(groups, prefills, native)
 
     @staticmethod
     def _decode_group(members, starts, meta, block_tables, device) -> _DecodeGroup:
@@ -130,9 +150,15 @@ class TorchBackend(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         plan: _Plan = meta.plan
         out = torch.empty_like(q)
-        for g in plan.decode:
-            og = _decode_attention(q.index_select(0, g.rows), k_cache, v_cache, g, scale, sliding_window)
-            out.index_copy_(0, g.rows, og)
+        if plan.native is not None and cpu_native.supports(q, k_cache):
+            n = plan.native
+            cpu_native.paged_decode(
+                q, out, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, scale, sliding_window
+            )
+        else:
+            for g in plan.decode:
+                og = _decode_attention(q.index_select(0, g.rows), k_cache, v_cache, g, scale, sliding_window)
+                out.index_copy_(0, g.rows, og)
         for p in plan.prefills:
             out[p.lo : p.hi] = _prefill_attention(q, k, v, flat_k, flat_v, p, scale, sliding_window)
         return out

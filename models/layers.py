@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.kernels import cpu_native
 from kvray.models.cpu_linear import linear, pack_weight
 from kvray.models.parallel import ShardContext
 
@@ -24,10 +25,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_native.usable(x):  # one pass instead of six ops
+            return cpu_native.rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add, fused with the norm."""
+        if x.dim() == 2 and cpu_native.usable(x) and cpu_native.usable(residual):
+            return cpu_native.rms_norm(x, self.weight, self.eps, residual)
+        summed = x + residual
+        return self(summed), summed
 
 
 class PackedLinear(nn.Module):
@@ -166,6 +176,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by the tables of `RotaryEmbedding.tables`."""
+    """x [T, H, D] rotated by the tables of `RotaryEmbedding.tables` (on a CPU in fp32: in
+    place, in one pass)."""
+    if cpu_native.usable(x) and cos.dtype == torch.float32:
+        return cpu_native.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -96,8 +96,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope, kv_cache, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), rope, kv_cache, backend, meta)
+        h, x = self.post_attention_layernorm.add_and_norm(attended, x)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,279 @@
+/* Decode attention over the paged KV cache, on a CPU (fp32).
+ *
+ * One query token per sequence. A decode step's attention on a CPU is bound by reading K
+ * and V, so the kernel reads each byte once, in the order it lies in memory:
+ *
+ * - A work item is one sequence's context, or a span of at most SPAN_TOKENS of it (a long
+ *   context is split so that every thread has work, even for one sequence). It covers all
+ *   heads: each cache block (block_size token rows of every KV head) is read front to back.
+ * - Pass 1 turns each key row into the scores of every query head; a softmax per head;
+ *   pass 2 adds up the value rows, one block at a time, with the accumulators of one head
+ *   slice in registers (the block stays in L1 while its head slices are visited).
+ * - A sequence split into spans leaves (max, sum, unnormalised output) per span and head;
+ *   a last loop merges them (the log-sum-exp combination of flash-decoding).
+ *
+ * Layouts (elements, fp32):
+ *   q, out        rows of [num_q_heads, head_dim]; row r starts at r * q_stride (out_stride)
+ *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+ *   block_tables  int32 [num_seqs, table_stride]
+ *   seq_lens      int32 [num_seqs]: context length, the new token included
+ *   rows          int64 [num_seqs]: the q (and out) row of each sequence
+ *   window        attend to the last `window` positions only; 0: all
+ * Supported: head_dim a multiple of 32, 1 to 8 query heads per KV head (the caller checks).
+ *
+ * Vectors are GCC's portable vector extension (8 floats; AVX/AVX-512, or SSE/NEON pairs).
+ * Built by kernels/cpu_native.py (-O3 -march=native -fopenmp).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+#define SPAN_TOKENS 512 /* the most context positions one work item covers */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1 /* how many blocks ahead rows are prefetched */
+#endif
+#define SLICE 4         /* vectors of one head's output kept in registers (32 floats) */
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
+
+static inline float sum8(v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* exp of 8 floats at once (Cephes' expf: 2^n times a degree-6 polynomial on the reduced
+ * argument; about 1 ulp), for arguments <= 0 as a softmax has; below -87 it gives ~0. */
+static inline v8 exp8(v8 x) {
+    const v8 floor_at = (v8){0} - 87.0f;
+    const v8i low = x < floor_at;
+    x = (v8)(((v8i)x & ~low) | ((v8i)floor_at & low));
+    const v8 fx = x * 1.44269504088896341f + 0.5f;
+    v8i ni = __builtin_convertvector(fx, v8i); /* toward zero: one too high for fx < 0 */
+    v8 n = __builtin_convertvector(ni, v8);
+    const v8i over = n > fx;
+    ni += over;
+    n += __builtin_convertvector(over, v8);
+    const v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    return y * (v8)((ni + 127) << 23);
+}
+
+/* sq[i] = exp(sq[i] - m) for i < n, where m = max(sq); returns the sum and sets *max */
+static float softmax_numerators(float *sq, int64_t n, float *max) {
+    float m = sq[0];
+    for (int64_t i = 1; i < n; i++) m = sq[i] > m ? sq[i] : m;
+    v8 total = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 e = exp8(load8(sq + i) - m);
+        store8(sq + i, e);
+        total += e;
+    }
+    float sum = sum8(total);
+    for (; i < n; i++) {
+        sq[i] = expf(sq[i] - m);
+        sum += sq[i];
+    }
+    *max = m;
+    return sum;
+}
+
+typedef struct {
+    const float *k_cache, *v_cache;
+    int64_t token_stride, block_stride; /* floats between token rows, between blocks */
+    int32_t num_kv_heads, head_dim, block_size;
+    float scale;
+} Cache;
+
+/* The same row of the next block of the span: its blocks are scattered, so the hardware
+ * prefetcher cannot know where the next one lies; asking a row ahead hides the latency. */
+static inline void prefetch_next(const float *cache, const Cache *c, const int32_t *table, int64_t t,
+                                 int64_t end) {
+    const int64_t ahead = t + PREFETCH_BLOCKS * c->block_size;
+    if (ahead >= end) return;
+    const float *row = cache + table[ahead / c->block_size] * c->block_stride + (ahead % c->block_size) * c->token_stride;
+    for (int64_t x = 0; x < c->token_stride; x += 16) __builtin_prefetch(row + x);
+}
+
+typedef struct {
+    int32_t seq;
+    int32_t start, end; /* context positions [start, end) */
+    int32_t part;       /* -1: the whole (windowed) context; else its slot among the spans */
+} Item;
+
+/* The item's scores, softmax and weighted values. Writes, per query head q_h:
+ * acc[q_h][:] = sum_i exp(s_i - m) v_i, max_out[q_h] = m, sum_out[q_h] = sum_i exp(s_i - m). */
+static inline __attribute__((always_inline)) void attend_span(const Cache *c, const float *qs,
+                                                              const int32_t *table, int32_t start,
+                                                              int32_t end, float *scores, float *acc,
+                                                              float *max_out, float *sum_out,
+                                                              const int group) {
+    const int64_t n = end - start;
+    const int32_t hkv = c->num_kv_heads, d = c->head_dim, bs = c->block_size;
+    const int32_t num_q_heads = hkv * group;
+    /* pass 1: scores[q_h][i] = q_h . k_i * scale, each key row read once, front to back */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = start + i;
+        const float *row = c->k_cache + table[t / bs] * c->block_stride + (t % bs) * c->token_stride;
+        prefetch_next(c->k_cache, c, table, t, end);
+        for (int32_t h = 0; h < hkv; h++) {
+            const float *kp = row + (int64_t)h * d;
+            const float *qh = qs + (int64_t)h * group * d;
+            v8 a[8] = {0};
+            for (int32_t x = 0; x < d; x += 8) {
+                const v8 kv = load8(kp + x);
+                for (int g = 0; g < group; g++) a[g] += load8(qh + g * d + x) * kv;
+            }
+            for (int g = 0; g < group; g++) scores[(h * group + g) * n + i] = sum8(a[g]) * c->scale;
+        }
+    }
+    for (int32_t qh = 0; qh < num_q_heads; qh++)
+        sum_out[qh] = softmax_numerators(scores + qh * n, n, &max_out[qh]);
+    /* pass 2: acc[q_h] = sum_i p[q_h][i] v_i, block by block; within a block, one head
+     * slice of SLICE vectors at a time with the accumulators of its query heads in registers */
+    for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
+        const int64_t b1 = (b0 / bs + 1) * bs < end ? (b0 / bs + 1) * bs : end;
+        const float *block = c->v_cache + table[b0 / bs] * c->block_stride;
+        for (int64_t t = b0; t < b1; t++) prefetch_next(c->v_cache, c, table, t, end);
+        for (int32_t h = 0; h < hkv; h++) {
+            for (int32_t x0 = 0; x0 < d; x0 += 8 * SLICE) {
+                v8 a[8][SLICE];
+                for (int g = 0; g < group; g++)
+                    for (int s = 0; s < SLICE; s++)
+                        a[g][s] = b0 == start ? (v8){0} : load8(acc + (h * group + g) * d + x0 + 8 * s);
+                for (int64_t t = b0; t < b1; t++) {
+                    const float *vp = block + (t % bs) * c->token_stride + (int64_t)h * d + x0;
+                    v8 vv[SLICE];
+                    for (int s = 0; s < SLICE; s++) vv[s] = load8(vp + 8 * s);
+                    for (int g = 0; g < group; g++) {
+                        const float p = scores[(h * group + g) * n + (t - start)];
+                        for (int s = 0; s < SLICE; s++) a[g][s] += p * vv[s];
+                    }
+                }
+                for (int g = 0; g < group; g++)
+                    for (int s = 0; s < SLICE; s++) store8(acc + (h * group + g) * d + x0 + 8 * s, a[g][s]);
+            }
+        }
+    }
+}
+
+static void attend_item(const Cache *c, const float *qs, const int32_t *table, const Item *it, float *scores,
+                        float *acc, float *max_out, float *sum_out, int group) {
+#define SPAN(G) attend_span(c, qs, table, it->start, it->end, scores, acc, max_out, sum_out, G)
+    switch (group) {
+        case 1: SPAN(1); break;
+        case 2: SPAN(2); break;
+        case 3: SPAN(3); break;
+        case 4: SPAN(4); break;
+        case 5: SPAN(5); break;
+        case 6: SPAN(6); break;
+        case 7: SPAN(7); break;
+        default: SPAN(8); break;
+    }
+#undef SPAN
+}
+
+void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride,
+                            const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                            int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
+                            int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                            int32_t block_size, float scale, int32_t window, int32_t num_threads) {
+    const int group = num_q_heads / num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const Cache cache = {k_cache, v_cache, token_stride, block_size * token_stride,
+                         num_kv_heads, head_dim, block_size, scale};
+    /* spans: whole blocks of SPAN_TOKENS positions (the first may start mid-block) */
+    const int32_t span = SPAN_TOKENS / block_size * block_size > 0 ? SPAN_TOKENS / block_size * block_size
+                                                                   : block_size;
+    int64_t num_items = 0, num_parts = 0;
+    for (int32_t s = 0; s < num_seqs; s++) {
+        const int32_t len = seq_lens[s], start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t pieces = (len - 1) / span - start / span + 1;
+        num_items += pieces;
+        if (pieces > 1) num_parts += pieces;
+    }
+    Item *items = (Item *)malloc(sizeof(Item) * num_items);
+    int32_t *first_part = (int32_t *)malloc(sizeof(int32_t) * (num_seqs + 1)); /* per sequence */
+    int64_t k = 0, part = 0;
+    /* the longest contexts come last from the caller (sorted ascending): schedule them first */
+    for (int32_t s = num_seqs - 1; s >= 0; s--) {
+        const int32_t len = seq_lens[s], start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t pieces = (len - 1) / span - start / span + 1;
+        first_part[s] = pieces > 1 ? (int32_t)part : -1;
+        for (int64_t p = 0; p < pieces; p++) {
+            const int32_t lo = p == 0 ? start : (int32_t)((start / span + p) * span);
+            const int32_t hi = (start / span + p + 1) * span < len ? (int32_t)((start / span + p + 1) * span) : len;
+            items[k++] = (Item){s, lo, hi, pieces > 1 ? (int32_t)(part + p) : -1};
+        }
+        if (pieces > 1) part += pieces;
+    }
+    /* spans' partial results: [part][q_head] max and sum, [part][q_head][head_dim] sums */
+    const int64_t per_part = (int64_t)num_q_heads * (head_dim + 2);
+    float *parts = num_parts ? (float *)malloc(sizeof(float) * num_parts * per_part) : NULL;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * num_q_heads * span);
+        float *own = (float *)malloc(sizeof(float) * per_part); /* a whole sequence's result */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; i++) {
+            const Item *it = &items[i];
+            const float *qs = q + rows[it->seq] * q_stride;
+            float *base = it->part < 0 ? own : parts + it->part * per_part;
+            float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
+            attend_item(&cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group);
+            if (it->part < 0) {
+                float *os = out + rows[it->seq] * out_stride;
+                for (int32_t qh = 0; qh < num_q_heads; qh++) {
+                    const float inv = 1.0f / sm[qh];
+                    for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] = acc[qh * head_dim + x] * inv;
+                }
+            }
+        }
+        /* merge the spans of each split sequence: weights exp(m_p - m) */
+#pragma omp for schedule(static)
+        for (int32_t s = 0; s < num_seqs; s++) {
+            if (first_part[s] < 0) continue;
+            const int32_t len = seq_lens[s], start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t pieces = (len - 1) / span - start / span + 1;
+            float *os = out + rows[s] * out_stride;
+            for (int32_t qh = 0; qh < num_q_heads; qh++) {
+                float m = -INFINITY, total = 0.0f;
+                for (int64_t p = 0; p < pieces; p++) {
+                    const float mp = parts[(first_part[s] + p) * per_part + qh];
+                    m = mp > m ? mp : m;
+                }
+                for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] = 0.0f;
+                for (int64_t p = 0; p < pieces; p++) {
+                    const float *base = parts + (first_part[s] + p) * per_part;
+                    const float w = expf(base[qh] - m);
+                    total += w * base[num_q_heads + qh];
+                    const float *acc = base + 2 * num_q_heads + qh * head_dim;
+                    for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] += w * acc[x];
+                }
+                const float inv = 1.0f / total;
+                for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] *= inv;
+            }
+        }
+        free(scores);
+        free(own);
+    }
+    free(parts);
+    free(first_part);
+    free(items);
+}

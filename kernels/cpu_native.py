@@ -1,0 +1,223 @@
+"""Native CPU kernels (kernels/cpu_decode.c: decode attention; kernels/cpu_ops.c: RMSNorm
+with the residual add, RoPE), built on first use with the machine's C compiler and loaded
+through ctypes.
+
+The library is compiled for this processor (`-march=native`) into the user's cache
+(`$KVRAY_CACHE`, default `~/.cache/kvray`, as for models), keyed by the source, the compiler and the
+CPU's flags, so each machine builds it once (about a second). It links the OpenMP runtime
+torch has already loaded, and takes torch's thread count per call. The call releases the
+GIL (ctypes does), so the actor's event loop keeps running during a step.
+
+Without a compiler, or with `KVRAY_NATIVE_KERNELS=0`, `library()` is None and the callers
+(the torch attention backend, the model's layers) use their pure-torch paths; the reason
+is logged once. `usable(x)` says whether a tensor can take the native path (fp32, CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVRAY_CACHE", Path.home() / ".cache" / "kvray")
+    return Path(root) / "native"
+
+
+def _build(compiler: str) -> Path:
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+    )
+    target = _cache_dir() / f"kvray_cpu_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders: last rename wins
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled library, or None (logged) when it cannot be built here."""
+    if os.environ.get("KVRAY_NATIVE_KERNELS", "1") == "0":
+        logger.info("kvray: native CPU kernels off (KVRAY_NATIVE_KERNELS=0)")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("kvray: no C compiler found; CPU decode attention runs on the pure-torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        logger.warning("kvray: native CPU kernels unavailable (%s); using the pure-torch path", e)
+        return None
+    i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    for fn, args in (
+        (lib.kvray_rms_norm_f32, [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]),
+        (lib.kvray_rotary_f32, [ptr, i64, i64, i64, ptr, ptr, i64, i32]),
+    ):
+        fn.restype, fn.argtypes = None, args
+    fn = lib.kvray_paged_decode_f32
+    fn.restype = None
+    fn.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        ctypes.c_float,
+        i32,
+        i32,
+    ]
+    return lib
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode` takes these: fp32, head_dim a multiple of 32, at most 8
+    query heads per KV head, unit-stride heads, a contiguous cache."""
+    head_dim, num_kv_heads = k_cache.shape[-1], k_cache.shape[-2]
+    return (
+        q.dtype == k_cache.dtype == torch.float32
+        and head_dim % 32 == 0
+        and q.shape[1] % num_kv_heads == 0
+        and q.shape[1] // num_kv_heads <= 8
+        and q.stride()[1:] == (head_dim, 1)
+        and k_cache.is_contiguous()
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """out[rows] = attention of q[rows] (one token per sequence) over each sequence's
+    paged context. q/out: [T, Hq, D] fp32 with unit-stride heads; caches
+    [num_blocks, block_size, Hkv, D] fp32 contiguous; block_tables int32 [S, nb]
+    contiguous; seq_lens int32 [S]; rows int64 [S]. Call only when `library()` is not None
+    and `supports(q, k_cache)`."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = q.shape[1]
+    assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    assert q.stride()[1:] == out.stride()[1:] == (head_dim, 1)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+    assert block_tables.dtype == seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
+    library().kvray_paged_decode_f32(
+        q.data_ptr(),
+        q.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        rows.data_ptr(),
+        len(rows),
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        sliding_window or 0,
+        torch.get_num_threads(),
+    )
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether `x` can go through the native small-op kernels: an fp32 CPU tensor with
+    unit-stride rows, and the library built here."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and library() is not None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x / rms(x) * weight, None); with `residual`: (norm of s, s) for s = x + residual.
+    x, residual: [rows, dim] fp32 with unit-stride rows."""
+    rows, dim = x.shape
+    out = torch.empty(rows, dim)
+    summed = None if residual is None else torch.empty(rows, dim)
+    library().kvray_rms_norm_f32(
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        None if summed is None else summed.data_ptr(),
+        dim,
+        out.data_ptr(),
+        dim,
+        weight.data_ptr(),
+        rows,
+        dim,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, summed
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (heads unit-stride inside each row, any row stride) in place by
+    the tables cos, sin (T x D/2 values each, contiguous); returns x."""
+    rows, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous() and sin.is_contiguous()
+    assert cos.numel() == sin.numel() == rows * head_dim // 2 and cos.dtype == sin.dtype == torch.float32
+    library().kvray_rotary_f32(
+        x.data_ptr(),
+        x.stride(0),
+        heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        rows,
+        torch.get_num_threads(),
+    )
+    return x

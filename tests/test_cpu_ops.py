@@ -1,0 +1,72 @@
+"""The native CPU small ops (kernels/cpu_ops.c) against float64 references written here:
+RMSNorm with and without the residual add, and RoPE in place on the q and k heads inside
+a fused qkv row, leaving the rest of the row untouched. The layers take the native path
+for fp32 CPU tensors and give what their pure-torch path gives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvray.kernels import cpu_native
+from kvray.models.layers import RMSNorm, apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: native ops not built")
+TOL = 2e-6  # relative to the largest reference value (fp32 rounding of one pass)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def _rms_f64(x, weight, eps):
+    x = x.double()
+    return weight.double() * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 600])  # 600 x 576 takes the threaded path
+def test_rms_norm_with_and_without_the_residual(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, res = (torch.randn(rows, 576, generator=gen) * 3 for _ in range(2))
+    weight = torch.rand(576, generator=gen) + 0.5
+    out, none = cpu_native.rms_norm(x, weight, 1e-5)
+    assert none is None and _rel(out, _rms_f64(x, weight, 1e-5)) < TOL
+    out, summed = cpu_native.rms_norm(x, weight, 1e-5, res)
+    assert torch.equal(summed, x + res)  # the residual stream, exactly
+    assert _rel(out, _rms_f64(x.double() + res.double(), weight, 1e-5)) < TOL
+
+
+def test_rotary_in_place_on_the_q_heads_of_a_qkv_row():
+    gen = torch.Generator().manual_seed(0)
+    tokens, q_heads, kv_heads, d = 5, 9, 3, 64
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d, generator=gen)
+    before = qkv.clone()
+    pos = torch.tensor([0, 3, 4, 100, 2047], dtype=torch.float64)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = pos[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
+    q = qkv[:, : q_heads * d].view(tokens, q_heads, d)
+    out = apply_rotary(q, cos, sin)
+    assert out.data_ptr() == q.data_ptr()  # in place
+    x = before[:, : q_heads * d].view(tokens, q_heads, d).double()
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    c, s = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    assert _rel(q, want) < TOL
+    assert torch.equal(qkv[:, q_heads * d :], before[:, q_heads * d :])  # k and v untouched
+    assert math.isclose(q.norm().item(), x.norm().item(), rel_tol=1e-5)  # a rotation
+
+
+def test_layers_give_what_their_torch_path_gives(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=gen) + 0.5
+    x, res = torch.randn(4, 576, generator=gen), torch.randn(4, 576, generator=gen)
+    native = norm(x), norm.add_and_norm(x, res)
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    torch_path = norm(x), norm.add_and_norm(x, res)
+    torch.testing.assert_close(native[0], torch_path[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(native[1][0], torch_path[1][0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(native[1][1], torch_path[1][1])

@@ -1,0 +1,113 @@
+"""The CPU attention backend against a float64 reference: the native decode kernel
+(kernels/cpu_decode.c) and the pure-torch path, on ragged mixes of decodes, chunks after a
+cached prefix and fresh prefills, with grouped-query heads and sliding windows; shapes the
+kernel does not take fall back to torch. Bound: max |out - ref| / max |ref| < 2e-5 (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import attention_f64, make_batch
+
+from kvray.kernels import cpu_native
+from kvray.kernels.backend import AttentionMetadata, get_backend
+
+REL_TOL = 2e-5
+# decodes of several lengths (one at position 0), a chunk after a prefix, a fresh prefill
+Q_LENS = [1, 1, 7, 1, 12, 1]
+SEQ_LENS = [37, 300, 40, 1, 12, 129]
+CASES = [  # (num_kv_heads, group, head_dim, block_size, window, native)
+    (3, 3, 64, 16, None, True),  # SmolLM2-135M's heads
+    (2, 1, 64, 16, None, True),
+    (1, 8, 128, 32, None, True),
+    (2, 4, 64, 16, 50, True),
+    (1, 9, 64, 16, None, False),  # more than 8 query heads per KV head
+    (2, 2, 80, 16, None, False),  # head_dim not a multiple of 32
+]
+
+
+def _attend(batch, q_lens, seq_lens, block_size, window):
+    """The backend's output; each new token's K/V is the one the cache already holds at its
+    slot (written back unchanged), so the reference reads the same context."""
+    tables = batch["block_tables"]
+    slots = []
+    for i, (q_len, ctx) in enumerate(zip(q_lens, seq_lens)):
+        pos = torch.arange(ctx - q_len, ctx)
+        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+    slots = torch.cat(slots)
+    k_cache, v_cache = batch["k_cache"], batch["v_cache"]
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].clone()
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].clone()
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        cu_seqlens_q=batch["cu_seqlens_q"],
+        seq_lens=batch["seq_lens"],
+        block_tables=tables,
+        query_lens=q_lens,
+        seq_lens_host=seq_lens,
+        block_size=block_size,
+    )
+    backend = get_backend("torch", torch.device("cpu"))
+    backend.prepare(meta)
+    return backend.forward(batch["q"], k, v, k_cache, v_cache, meta, 0.125, window)
+
+
+def _check(out, batch, window):
+    ref = attention_f64(**batch, scale=0.125, window=window)
+    rel = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < REL_TOL, f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,window,native", CASES)
+def test_native_kernel_matches_float64(
+    monkeypatch, num_kv_heads, group, head_dim, block_size, window, native
+):
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler here: the native kernel is not built")
+    calls = []
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(a) or real(*a))
+    batch = make_batch(
+        Q_LENS, SEQ_LENS, num_kv_heads, group, head_dim, block_size, torch.float32, device="cpu"
+    )
+    out = _attend(batch, Q_LENS, SEQ_LENS, block_size, window)
+    _check(out, batch, window)
+    assert len(calls) == int(native)  # it ran where it can, and torch where it cannot
+    if native:
+        assert calls[0][6].tolist() == [9, 0, 22, 1]  # the decode rows, shortest context first
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,window,native", CASES[:4])
+def test_pure_torch_path_matches_float64(
+    monkeypatch, num_kv_heads, group, head_dim, block_size, window, native
+):
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    batch = make_batch(
+        Q_LENS, SEQ_LENS, num_kv_heads, group, head_dim, block_size, torch.float32, device="cpu"
+    )
+    _check(_attend(batch, Q_LENS, SEQ_LENS, block_size, window), batch, window)
+
+
+def test_the_kernel_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("KVRAY_CACHE", str(tmp_path))
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    first = cpu_native._build(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert first.parent == tmp_path / "native" and first.suffix == ".so"
+    assert cpu_native._build(compiler) == first and first.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("window", [None, 700, 100])
+def test_native_kernel_splits_long_contexts_into_spans(window):
+    """Contexts past one span (512 positions) are split across threads and merged; a
+    window may start mid-span or leave a single span."""
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler here: the native kernel is not built")
+    q_lens, seq_lens = [1, 1, 1, 1], [1100, 513, 40, 1537]
+    batch = make_batch(q_lens, seq_lens, 3, 3, 64, 16, torch.float32, device="cpu")
+    _check(_attend(batch, q_lens, seq_lens, 16, window), batch, window)
