@@ -171,8 +171,8 @@ def test_decode_burst_grows_the_decode_pool_only(local_serve, engine_args):
     handle = _deploy(engine_args, {"target_queued_prompt_tokens": NEVER}, {"target_running_requests": 2})
     watch = ReplicaWatch()
     try:
-        bodies = _burst(handle, [f"Story number {i}:" for i in range(8)], max_tokens=160)
-        assert all(b["usage"]["completion_tokens"] == 160 for b in bodies)
+        bodies = _burst(handle, [f"Story number {i}:" for i in range(8)], max_tokens=96)
+        assert all(b["usage"]["completion_tokens"] == 96 for b in bodies)
         assert watch.wait_for("decode", 2, timeout=60) or watch.peak["decode"] == 2
         assert watch.wait_for("decode", 1, timeout=60), watch.now  # back to 1 after idle
         assert watch.peak == {"prefill": 1, "decode": 2}
@@ -187,7 +187,7 @@ def test_prompt_burst_grows_the_prefill_pool_only(local_serve, engine_args):
     watch = ReplicaWatch()
     try:
         long_prompt = "Paged attention stores keys and values in fixed-size blocks. " * 36  # ~430 tokens
-        bodies = _burst(handle, [f"{i}. {long_prompt}" for i in range(24)], max_tokens=2)
+        bodies = _burst(handle, [f"{i}. {long_prompt}" for i in range(16)], max_tokens=2)
         assert all(b["usage"]["completion_tokens"] == 2 for b in bodies)
         assert watch.wait_for("prefill", 2, timeout=60) or watch.peak["prefill"] == 2
         assert watch.wait_for("prefill", 1, timeout=60), watch.now

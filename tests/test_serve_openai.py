@@ -1,6 +1,6 @@
 """The OpenAI-compatible Serve app (PD preset shape) against the official `openai` client.
 
-One local Ray and one Serve app for the module (1 prefill + 1 decode worker, torch_dist):
+The apps of tests/serve_fixtures.py (the PD preset's shape, the colocated one beside it):
 greedy answers equal the offline engine's, streamed text equals non-streamed, usage is
 right, every bad input gets its status and OpenAI's error body, concurrent streams all
 finish, a client that leaves mid-stream frees every block, /metrics counts what was sent,
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -23,24 +22,14 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray import serve  # noqa: E402
+from serve_fixtures import API_KEY, MAX_QUEUED, MODEL  # noqa: E402
 
-from kvray.cluster.local import ensure_ray  # noqa: E402
 from kvray.engine import LLM, SamplingParams  # noqa: E402
-from kvray.router import build_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smollm2-135m-instruct"
-API_KEY = "test-key"
 PROMPTS = ["The capital of France is", "def square(x):\n    return", "Rain falls when"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-MAX_QUEUED = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,45 +39,6 @@ def offline(engine_args):
     completions = [o.outputs[0] for o in llm.generate(PROMPTS, greedy)]
     chat = llm.chat(CHAT, greedy)[0].outputs[0]
     return {"completions": completions, "chat": chat, "tokenizer": llm.tokenizer, "llm": llm}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, engine_args):
-    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    pool = {"num_workers": 1, "num_cpus": 0.5, "torch_threads": 1, "price_per_hour": 3.6}
-    config = {
-        "model_name": MODEL,
-        "engine": engine_args,
-        "disaggregated": True,
-        "prefill": pool,
-        "decode": pool,
-        "kv_transfer": {"connector": "torch_dist"},
-        "router": {"health_check_seconds": 0.5},
-        "api_key": API_KEY,
-        "max_body_bytes": 64 << 10,
-        "max_queued_requests": MAX_QUEUED,
-    }
-    serve.run(build_app(config), name="kvray", route_prefix="/")
-    # the colocated preset's shape beside it: one mixed worker, its own app and route
-    colo = {**config, "app_name": "colo", "disaggregated": False, "mixed": pool}
-    serve.run(build_app(colo), name="colo", route_prefix="/colo")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        yield c
 
 
 def _metrics(http) -> dict:

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+from serve_fixtures import API_KEY, MODEL
 from structured_schemas import PROMPT, SCHEMAS
-from test_serve_openai import API_KEY, MODEL, client, http, server  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 

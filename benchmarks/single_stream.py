@@ -1,0 +1,170 @@
+"""Single-stream decode against the weight-read limit (issue 14, item 4).
+
+One request at a time: a decode step reads every weight once (30 layers' linears and the
+LM head) plus the request's K/V, so its speed is bounded by memory bandwidth. This
+measures, in one run:
+
+- the machine's read bandwidth: the best of several sums over a buffer far larger than
+  the caches, with torch's threads;
+- the bytes one decode step reads (weights from the loaded model, K/V at the context
+  length reached);
+- kvray's single-stream decode rate (time of a 1+N token generation minus a 1-token one,
+  same prompt, prefix caching off) and its fraction of the limit;
+- where a step's time goes (torch.profiler over decode steps at batch 1; the native CPU
+  kernels are timed by wall clock around their calls).
+
+    .venv/bin/python benchmarks/single_stream.py [--prompt-tokens 256] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from serve_harness import cpu_banner
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes per second of the best pass summing a `gib` GiB fp32 buffer."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def step_bytes(llm, context: int) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) one decode step reads at `context` tokens."""
+    model = llm.engine.runner.model
+    weights = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            weights += packed.numel() * packed.element_size()
+        elif getattr(module, "weight", None) is not None and not isinstance(module, torch.nn.Embedding):
+            weights += module.weight.numel() * module.weight.element_size()
+    cfg = llm.engine.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context * llm.engine.dtype.itemsize
+    return weights, kv
+
+
+def timed(llm, prompt: list[int], new_tokens: int) -> float:
+    from kvray.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params)
+    return time.perf_counter() - start
+
+
+def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
+    """Seconds per decode step by part: linears, attention, other torch ops, the rest."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kvray.engine import SamplingParams
+    from kvray.kernels import cpu_native
+
+    wrapped = {}
+    for name in ("paged_decode", "rms_norm", "rotary_"):
+        real = wrapped[name] = getattr(cpu_native, name)
+
+        def call(*a, _real=real, _name=name, **k):
+            with record_function(f"native::{_name}"):
+                return _real(*a, **k)
+
+        setattr(cpu_native, name, call)
+    engine = llm.engine
+    engine.add_request(
+        "p", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    )
+    while engine.last_step is None or engine.last_step.num_batched_tokens != 1:
+        engine.step()  # the prompt
+    steps = 0
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    wall = time.perf_counter() - start
+    for name, real in wrapped.items():
+        setattr(cpu_native, name, real)
+    parts: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if e.key.startswith("native::paged_decode"):
+            parts["attention (native kernel)"] += e.self_cpu_time_total
+        elif "linear" in e.key:
+            parts["weight matmuls (oneDNN packed)"] += e.self_cpu_time_total
+        elif e.key.startswith("native::"):
+            parts["RMSNorm, RoPE (native)"] += e.self_cpu_time_total
+        else:
+            parts["other torch ops"] += e.self_cpu_time_total
+    out = {k: v / 1e6 / steps for k, v in parts.items()}
+    out["Python and the rest"] = wall / steps - sum(out.values())
+    out["step (under the profiler)"] = wall / steps
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from kvray.engine import LLM
+    from kvray.models.loader import resolve_model_path
+
+    llm = LLM(
+        model=str(resolve_model_path(args.model)),
+        dtype="auto",
+        max_model_len=2048,
+        seed=0,
+        enable_prefix_caching=False,
+    )
+    vocab = llm.engine.hf_config.vocab_size
+    prompt = [(i * 7919) % (vocab - 100) + 50 for i in range(args.prompt_tokens)]
+    timed(llm, prompt[:16], 8)  # warm up
+    prefill = min(timed(llm, prompt, 1) for _ in range(3))
+    full = min(timed(llm, prompt, 1 + args.new_tokens) for _ in range(2))
+    rate = args.new_tokens / (full - prefill)
+    bandwidth = read_bandwidth()
+    weights, kv = step_bytes(llm, args.prompt_tokens + args.new_tokens // 2)
+    limit = bandwidth / (weights + kv)
+
+    print(
+        cpu_banner(), f"{args.threads} threads; dtype auto -> {str(llm.engine.dtype).removeprefix('torch.')}"
+    )
+    print(f"read bandwidth (best sum over 1 GiB, {args.threads} threads): {bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"a decode step reads {weights / 1e6:.0f} MB of weights + {kv / 1e6:.1f} MB of K/V (mid-run context)"
+    )
+    print()
+    print("| what | value |")
+    print("|---|---|")
+    print(
+        f"| prefill of {args.prompt_tokens} tokens | {prefill:.2f} s "
+        f"({args.prompt_tokens / prefill:.0f} tok/s) |"
+    )
+    print(f"| single-stream decode | **{rate:.1f} tok/s** ({1e3 / rate:.1f} ms a token) |")
+    print(
+        f"| weight-read limit (bandwidth ÷ bytes a step) | {limit:.1f} tok/s ({1e3 / limit:.1f} ms a token) |"
+    )
+    print(f"| of the limit | **{rate / limit:.0%}** |")
+    print()
+    print("where a decode step's time goes (torch.profiler, batch 1):")
+    print()
+    print("| part | ms a step |")
+    print("|---|---|")
+    for part, seconds in profile_steps(llm, prompt, args.new_tokens).items():
+        print(f"| {part} | {seconds * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

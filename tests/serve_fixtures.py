@@ -1,0 +1,70 @@
+"""The Serve apps that the HTTP test modules share (test_serve_openai, test_serve_structured):
+one local Ray and two apps for the session, started on first use — the PD preset's shape
+(1 prefill + 1 decode worker, torch_dist) at "/" and the colocated one (1 mixed worker) at
+"/colo" — with the official `openai` client and a raw httpx client beside them.
+
+Session-scoped so the second module does not pay the start-up again; conftest.py imports
+these fixtures."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "test-key"
+MAX_QUEUED = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, engine_args):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from kvray.cluster.local import ensure_ray
+    from kvray.router import build_app
+
+    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    pool = {"num_workers": 1, "num_cpus": 0.5, "torch_threads": 1, "price_per_hour": 3.6}
+    config = {
+        "model_name": MODEL,
+        "engine": engine_args,
+        "disaggregated": True,
+        "prefill": pool,
+        "decode": pool,
+        "kv_transfer": {"connector": "torch_dist"},
+        "router": {"health_check_seconds": 0.5},
+        "api_key": API_KEY,
+        "max_body_bytes": 64 << 10,
+        "max_queued_requests": MAX_QUEUED,
+    }
+    serve.run(build_app(config), name="kvray", route_prefix="/")
+    # the colocated preset's shape beside it: one mixed worker, its own app and route
+    colo = {**config, "app_name": "colo", "disaggregated": False, "mixed": pool}
+    serve.run(build_app(colo), name="colo", route_prefix="/colo")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    httpx = pytest.importorskip("httpx2")
+    with httpx.Client(base_url=server, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
