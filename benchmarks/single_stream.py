@@ -38,18 +38,16 @@ def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
 
 
 def step_bytes(llm, context: int) -> tuple[int, int]:
-    """(weight bytes, K/V bytes) one decode step reads at `context` tokens."""
-    model = llm.engine.runner.model
-    weights = 0
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if packed is not None:
-            weights += packed.numel() * packed.element_size()
-        elif getattr(module, "weight", None) is not None and not isinstance(module, torch.nn.Embedding):
-            weights += module.weight.numel() * module.weight.element_size()
+    """(weight bytes, K/V bytes) one decode step reads at `context` tokens: every layer's
+    projections and norms, the final norm and the LM head (the embedding gives one row)."""
     cfg = llm.engine.hf_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context * llm.engine.dtype.itemsize
+    size = llm.engine.dtype.itemsize
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    per_layer = hidden * (q + 2 * kv_width) + q * hidden + 3 * hidden * inter + 2 * hidden
+    weights = (cfg.num_hidden_layers * per_layer + hidden + cfg.vocab_size * hidden) * size
+    kv = 2 * cfg.num_hidden_layers * kv_width * context * size
     return weights, kv
 
 
