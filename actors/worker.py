@@ -152,6 +152,7 @@ class EngineWorker:
         that brings the request (async actors reorder one caller's calls): the id is
         remembered for ABORT_MEMORY_S, and the request is refused if it comes later."""
         now = time.monotonic()
+        self.aborted.pop(request_id, None)  # re-inserted last: the dict stays oldest first
         self.aborted[request_id] = now
         while now - next(iter(self.aborted.values())) > ABORT_MEMORY_S:
             del self.aborted[next(iter(self.aborted))]
