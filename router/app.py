@@ -43,17 +43,16 @@ from ray.serve.handle import DeploymentHandle
 from kvray.configs import DeploymentConfig, ServeConfig
 from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router import metrics
+from kvray.router.api_error import APIError
 from kvray.router.autoscaling import publish_waiting
 from kvray.router.frontend import Frontend, RequestTimeoutError
+from kvray.router.openapi import openapi_body, openapi_schemas
 from kvray.router.pools import pool_deployment
 from kvray.router.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    openapi_body,
-    openapi_schemas,
     parse_request,
     validate_body,
 )

@@ -1,4 +1,4 @@
-"""OpenAI's request bodies (validated here), its error shape, and the mapping to SamplingParams.
+"""OpenAI's request bodies (validated here) and their mapping to SamplingParams.
 
 Everything a client can get wrong becomes an `APIError` with OpenAI's body
 `{"error": {"message", "type", "param", "code"}}` and an HTTP status; nothing reaches the
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvray.engine import SamplingParams, StructuredOutputsParams
 from kvray.errors import InvalidArgumentError
+from kvray.router.api_error import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -37,39 +38,6 @@ UNSUPPORTED = {
 }
 # fields OpenAI accepts that change nothing a server computes
 ACCEPTED_NO_OP = {"store", "metadata", "service_tier"}
-
-
-class APIError(Exception):
-    """An error a client sees as OpenAI's error body with this status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def __reduce__(self):  # handle callers receive it through Ray with its fields
-        args = (self.status, self.message, self.type, self.param, self.code, self.headers)
-        return _rebuild_api_error, (type(self), *args)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    @classmethod
-    def invalid(cls, e: InvalidArgumentError) -> APIError:
-        return cls(400, str(e), param=e.field, code="invalid_value")
 
 
 class StreamOptions(BaseModel):
@@ -368,26 +336,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-
-
-def openapi_body(model: type[BaseModel]) -> dict:
-    """A route's `openapi_extra`: its JSON body is `model` (the routes read bodies
-    themselves, for OpenAI-shaped errors and the size limit, so FastAPI cannot see it)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-def openapi_schemas() -> dict[str, dict]:
-    """The JSON schemas of the request bodies and every model they use, by name."""
-    from pydantic.json_schema import models_json_schema
-
-    _, top = models_json_schema(
-        [(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}"
-    )
-    return top["$defs"]
-
-
 def _parameters(f: FunctionDefinition) -> dict:
     return f.parameters or {"type": "object", "properties": {}}
 
@@ -433,7 +381,3 @@ def validate_body(model: type[BaseModel], body: dict):
         param = str(err["loc"][0]) if err["loc"] else None
         where = ".".join(str(p) for p in err["loc"])
         raise APIError(400, f"{where}: {err['msg']}", param=param, code="invalid_value") from None
-
-
-def _rebuild_api_error(cls, status, message, type, param, code, headers) -> APIError:
-    return cls(status, message, type=type, param=param, code=code, headers=headers)

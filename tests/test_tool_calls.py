@@ -10,7 +10,8 @@ import pytest
 
 from kvray.engine import CompletionOutput
 from kvray.errors import InvalidArgumentError
-from kvray.router.protocol import APIError, ChatCompletionRequest, parse_request
+from kvray.router.api_error import APIError
+from kvray.router.protocol import ChatCompletionRequest, parse_request
 from kvray.router.responses import ResponseBuilder
 from kvray.router.tool_calls import ToolCallParser, parser_for_template
 
