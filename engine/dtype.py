@@ -9,29 +9,15 @@
 from __future__ import annotations
 
 import logging
-from functools import cache
-from pathlib import Path
 
 import torch
+
+from kvray.kernels.cpu_native import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 flags, Arm features
-
-
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where unreadable."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -110,6 +110,16 @@ static inline void prefetch_next(const float *cache, const Cache *c, const int32
     for (int64_t x = 0; x < c->token_stride; x += 16) __builtin_prefetch(row + x);
 }
 
+/* the first context position a sequence of `len` attends to */
+static inline int32_t window_start(int32_t len, int32_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
+/* how many spans (aligned to multiples of `span`) the attended positions touch */
+static inline int64_t num_spans(int32_t len, int32_t window, int32_t span) {
+    return (len - 1) / span - window_start(len, window) / span + 1;
+}
+
 typedef struct {
     int32_t seq;
     int32_t start, end; /* context positions [start, end) */
@@ -202,8 +212,7 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
                                                                    : block_size;
     int64_t num_items = 0, num_parts = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
-        const int32_t len = seq_lens[s], start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t pieces = (len - 1) / span - start / span + 1;
+        const int64_t pieces = num_spans(seq_lens[s], window, span);
         num_items += pieces;
         if (pieces > 1) num_parts += pieces;
     }
@@ -212,8 +221,8 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
     int64_t k = 0, part = 0;
     /* the longest contexts come last from the caller (sorted ascending): schedule them first */
     for (int32_t s = num_seqs - 1; s >= 0; s--) {
-        const int32_t len = seq_lens[s], start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t pieces = (len - 1) / span - start / span + 1;
+        const int32_t len = seq_lens[s], start = window_start(len, window);
+        const int64_t pieces = num_spans(len, window, span);
         first_part[s] = pieces > 1 ? (int32_t)part : -1;
         for (int64_t p = 0; p < pieces; p++) {
             const int32_t lo = p == 0 ? start : (int32_t)((start / span + p) * span);
@@ -249,8 +258,7 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
 #pragma omp for schedule(static)
         for (int32_t s = 0; s < num_seqs; s++) {
             if (first_part[s] < 0) continue;
-            const int32_t len = seq_lens[s], start = (window > 0 && len > window) ? len - window : 0;
-            const int64_t pieces = (len - 1) / span - start / span + 1;
+            const int64_t pieces = num_spans(seq_lens[s], window, span);
             float *os = out + rows[s] * out_stride;
             for (int32_t qh = 0; qh < num_q_heads; qh++) {
                 float m = -INFINITY, total = 0.0f;

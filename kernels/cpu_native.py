@@ -32,14 +32,18 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where unreadable."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return ""
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 def _cache_dir() -> Path:
@@ -51,7 +55,9 @@ def _build(compiler: str) -> Path:
     source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+        b"\0".join(
+            [source, " ".join(FLAGS).encode(), version.encode(), " ".join(sorted(cpu_flags())).encode()]
+        )
     )
     target = _cache_dir() / f"kvray_cpu_{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -11,11 +11,13 @@ calls per layer:
 * a prefill chunk after a cached prefix reads its context through its block table.
 
 Everything that depends only on the batch (groups, gather indices, masks) is built once
-per step in `prepare` and reused by every layer.
+per step, in `prepare` (the torch path's decode groups at the first layer that uses them),
+and reused by every layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,9 +66,16 @@ class _NativeDecode:
 
 @dataclass
 class _Plan:
-    decode: list[_DecodeGroup]
     prefills: list[_PrefillPlan]
-    native: _NativeDecode | None = None  # None: the kernel is not built here, or no decode rows
+    native: _NativeDecode | None  # None: the kernel is not built here, or no decode rows
+    make_groups: Callable[[], list[_DecodeGroup]]  # the torch path's decode groups
+    groups: list[_DecodeGroup] | None = None
+
+    def decode_groups(self) -> list[_DecodeGroup]:
+        """Built at the first layer that needs them (never, when the native kernel runs)."""
+        if self.groups is None:
+            self.groups = self.make_groups()
+        return self.groups
 
 
 def split_by_length(lengths: list[int], group_cost: int, max_groups: int) -> list[int]:
@@ -108,12 +117,6 @@ class TorchBackend(AttentionBackend):
                 block_tables=block_tables[decode_seqs].contiguous(),
                 seq_lens=torch.tensor([meta.seq_lens_host[i] for i in decode_seqs], dtype=torch.int32),
             )
-        groups, begin = [], 0
-        lengths = [meta.seq_lens_host[i] for i in decode_seqs]
-        for end in split_by_length(lengths, _GROUP_COST_TOKENS, _MAX_DECODE_GROUPS) if lengths else []:
-            members = decode_seqs[begin:end]
-            groups.append(self._decode_group(members, starts, meta, block_tables, device))
-            begin = end
         prefills = []
         for i, q_len in enumerate(meta.query_lens):
             if q_len <= 1:
@@ -126,7 +129,17 @@ class TorchBackend(AttentionBackend):
                 slots = (slots + pos % meta.block_size).to(device)
                 mask = context_mask(q_len, seq_len, None, device)
             prefills.append(_PrefillPlan(starts[i], starts[i] + q_len, slots, mask))
-        meta.plan = _Plan(groups, prefills, native)
+
+        def make_groups() -> list[_DecodeGroup]:
+            groups, begin = [], 0
+            lengths = [meta.seq_lens_host[i] for i in decode_seqs]
+            for end in split_by_length(lengths, _GROUP_COST_TOKENS, _MAX_DECODE_GROUPS) if lengths else []:
+                members = decode_seqs[begin:end]
+                groups.append(self._decode_group(members, starts, meta, block_tables, device))
+                begin = end
+            return groups
+
+        meta.plan = _Plan(prefills, native, make_groups)
 
     @staticmethod
     def _decode_group(members, starts, meta, block_tables, device) -> _DecodeGroup:
@@ -156,7 +169,7 @@ class TorchBackend(AttentionBackend):
                 q, out, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, scale, sliding_window
             )
         else:
-            for g in plan.decode:
+            for g in plan.decode_groups():
                 og = _decode_attention(q.index_select(0, g.rows), k_cache, v_cache, g, scale, sliding_window)
                 out.index_copy_(0, g.rows, og)
         for p in plan.prefills:

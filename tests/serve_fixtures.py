@@ -17,7 +17,8 @@ API_KEY = "test-key"
 MAX_QUEUED = 16
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -32,7 +33,7 @@ def server(tmp_path_factory, engine_args):
     from kvray.router import build_app
 
     started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     pool = {"num_workers": 1, "num_cpus": 0.5, "torch_threads": 1, "price_per_hour": 3.6}
     config = {

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,18 +29,13 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serve_fixtures import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PRESET = Path(__file__).resolve().parent.parent / "configs" / "smollm2-cpu.yaml"
 MODEL = "smollm2-135m-instruct"
 STARTUP_SECONDS = 150
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -95,7 +89,7 @@ def test_kvray_serve_answers_then_sigint_stops_everything_it_started(tmp_path, s
     ray_tmp = tempfile.mkdtemp(prefix="kvt-")  # short: Ray's socket paths must fit in 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not a test's
     env.update(TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     started: list[psutil.Process] = []
