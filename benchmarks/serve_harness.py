@@ -34,19 +34,20 @@ def free_port() -> int:
 
 
 def cpu_banner() -> str:
-    """The CPU model and its vector flags (this machine's kind decides the dtype's speed)."""
-    model, flags = "?", set()
+    """The CPU model (with its family and model numbers: a VM may name only the vendor) and
+    its vector flags (this machine's kind decides the dtype's speed)."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    shown = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    return f"CPU: {model}, {os.cpu_count()} cores, flags: {' '.join(shown) or '?'}"
+    shown = sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "amx", "fma")))
+    ids = ""
+    if "cpu family" in info and "model" in info:
+        ids = f" (family {info['cpu family']}, model {info['model']})"
+    return f"CPU: {info.get('model name', '?')}{ids}, {os.cpu_count()} cores, flags: {' '.join(shown) or '?'}"
 
 
 def baseline_env(src: str | None) -> dict[str, str]:

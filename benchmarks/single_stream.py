@@ -68,7 +68,7 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
     from kvray.kernels import cpu_native
 
     wrapped = {}
-    for name in ("paged_decode", "rms_norm", "rotary_"):
+    for name in ("paged_decode", "rms_norm", "rotary_", "linear"):
         real = wrapped[name] = getattr(cpu_native, name)
 
         def call(*a, _real=real, _name=name, **k):
@@ -95,6 +95,8 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
     for e in prof.key_averages():
         if e.key.startswith("native::paged_decode"):
             parts["attention (native kernel)"] += e.self_cpu_time_total
+        elif e.key.startswith("native::linear"):
+            parts["weight matmuls (native, dense rows)"] += e.self_cpu_time_total
         elif "linear" in e.key:
             parts["weight matmuls (oneDNN packed)"] += e.self_cpu_time_total
         elif e.key.startswith("native::"):

@@ -4,7 +4,8 @@
  * and V, so the kernel reads each byte once, in the order it lies in memory:
  *
  * - A work item is one sequence's context, or a span of at most SPAN_TOKENS of it (a long
- *   context is split so that every thread has work, even for one sequence). It covers all
+ *   context is split, and a step of few sequences into spans down to MIN_SPAN_TOKENS, so
+ *   that every thread has work, even for one sequence). It covers all
  *   heads: each cache block (block_size token rows of every KV head) is read front to back.
  * - Pass 1 turns each key row into the scores of every query head; a softmax per head;
  *   pass 2 adds up the value rows, one block at a time, with the accumulators of one head
@@ -29,25 +30,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
+#include "cpu_vec.h"
 
-#define SPAN_TOKENS 512 /* the most context positions one work item covers */
+#define SPAN_TOKENS 512     /* the most context positions one work item covers */
+#define MIN_SPAN_TOKENS 128 /* the fewest a split takes (few sequences: every thread gets work) */
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1 /* how many blocks ahead rows are prefetched */
 #endif
 #define SLICE 4         /* vectors of one head's output kept in registers (32 floats) */
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
-
-static inline float sum8(v8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -207,9 +197,13 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const Cache cache = {k_cache, v_cache, token_stride, block_size * token_stride,
                          num_kv_heads, head_dim, block_size, scale};
-    /* spans: whole blocks of SPAN_TOKENS positions (the first may start mid-block) */
-    const int32_t span = SPAN_TOKENS / block_size * block_size > 0 ? SPAN_TOKENS / block_size * block_size
-                                                                   : block_size;
+    /* spans: whole blocks, at most SPAN_TOKENS positions (the first may start mid-block), and
+     * short enough that a step of few sequences still gives every thread two items */
+    int64_t attended = 0;
+    for (int32_t s = 0; s < num_seqs; s++) attended += seq_lens[s] - window_start(seq_lens[s], window);
+    int64_t want = attended / (2 * (int64_t)num_threads);
+    want = want < MIN_SPAN_TOKENS ? MIN_SPAN_TOKENS : want > SPAN_TOKENS ? SPAN_TOKENS : want;
+    const int32_t span = want / block_size * block_size > 0 ? (int32_t)(want / block_size * block_size) : block_size;
     int64_t num_items = 0, num_parts = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
         const int64_t pieces = num_spans(seq_lens[s], window, span);

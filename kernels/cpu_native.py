@@ -1,6 +1,6 @@
 """Native CPU kernels (kernels/cpu_decode.c: decode attention; kernels/cpu_ops.c: RMSNorm
-with the residual add, RoPE), built on first use with the machine's C compiler and loaded
-through ctypes.
+with the residual add, RoPE; kernels/cpu_linear.c: the weight matmuls of steps of a few
+rows), built on first use with the machine's C compiler and loaded through ctypes.
 
 The library is compiled for this processor (`-march=native`) into the user's cache
 (`$KVRAY_CACHE`, default `~/.cache/kvray`, as for models), keyed by the source, the compiler and the
@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c", "cpu_linear.c")]
+HEADERS = [Path(__file__).with_name("cpu_vec.h")]
+LINEAR_ROWS = 8  # `linear` beats oneDNN's packed weights up to here (BENCHMARKS.md, single stream)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -52,7 +54,7 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
         b"\0".join(
@@ -93,6 +95,7 @@ def library() -> ctypes.CDLL | None:
     for fn, args in (
         (lib.kvray_rms_norm_f32, [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]),
         (lib.kvray_rotary_f32, [ptr, i64, i64, i64, ptr, ptr, i64, i32]),
+        (lib.kvray_linear_f32, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]),
     ):
         fn.restype, fn.argtypes = None, args
     fn = lib.kvray_paged_decode_f32
@@ -227,3 +230,39 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         torch.get_num_threads(),
     )
     return x
+
+
+def takes_linear(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether `linear` takes x [rows, k] against this dense weight [n, k]: at most
+    LINEAR_ROWS fp32 CPU rows, k a multiple of 16, a contiguous fp32 weight."""
+    return (
+        weight is not None
+        and x.dim() == 2
+        and x.shape[0] <= LINEAR_ROWS
+        and usable(x)
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and weight.shape[1] == x.shape[1]
+        and x.shape[1] % 16 == 0
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for a few rows, streaming the dense weight once; see `takes_linear`."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == n)
+    out = torch.empty(rows, n)
+    library().kvray_linear_f32(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        rows,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return out

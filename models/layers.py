@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.kernels import cpu_native
-from kvray.models.cpu_linear import linear, pack_weight
+from kvray.models.cpu_linear import linear, pack_layer
 from kvray.models.parallel import ShardContext
 
 
@@ -65,7 +65,7 @@ class PackedLinear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Multiply through a oneDNN-packed copy from now on (loaded weights only)."""
-        self.packed, self.weight = pack_weight(self.weight), None
+        pack_layer(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
@@ -88,7 +88,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, self.in_cols.start : self.in_cols.stop])
 
     def pack_for_cpu(self) -> None:
-        self.packed, self.weight = pack_weight(self.weight), None
+        pack_layer(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:

@@ -1,7 +1,8 @@
-"""The native CPU small ops (kernels/cpu_ops.c) against float64 references written here:
-RMSNorm with and without the residual add, and RoPE in place on the q and k heads inside
-a fused qkv row, leaving the rest of the row untouched. The layers take the native path
-for fp32 CPU tensors and give what their pure-torch path gives."""
+"""The native CPU small ops (kernels/cpu_ops.c, kernels/cpu_linear.c) against float64
+references written here: RMSNorm with and without the residual add, RoPE in place on the
+q and k heads inside a fused qkv row (leaving the rest of the row untouched), and the
+few-row linear. The layers take the native paths for fp32 CPU tensors and give what their
+pure-torch (or oneDNN) paths give."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from kvray.kernels import cpu_native
-from kvray.models.layers import RMSNorm, apply_rotary
+from kvray.models import cpu_linear
+from kvray.models.layers import PackedLinear, RMSNorm, apply_rotary
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: native ops not built")
 TOL = 2e-6  # relative to the largest reference value (fp32 rounding of one pass)
@@ -70,3 +72,35 @@ def test_layers_give_what_their_torch_path_gives(monkeypatch):
     torch.testing.assert_close(native[0], torch_path[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(native[1][0], torch_path[1][0], rtol=1e-6, atol=1e-6)
     assert torch.equal(native[1][1], torch_path[1][1])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(37, 576), (960, 576), (130, 1536), (6, 16)])
+def test_linear_against_float64(rows, n, k):
+    """Every tile shape (1-4 rows of x, 1-4 weight rows), blocks with tails, a bias, and
+    rows of x that lie apart (a slice of wider rows)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    wide = torch.randn(rows, k + 48, generator=gen)
+    x = wide[:, 16 : 16 + k]
+    weight, bias = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
+    assert cpu_native.takes_linear(x, weight)
+    want = x.double() @ weight.double().T
+    assert _rel(cpu_native.linear(x, weight, None), want) < 1e-5
+    assert _rel(cpu_native.linear(x, weight, bias), want + bias.double()) < 1e-5
+
+
+def test_packed_layer_uses_the_native_kernel_for_few_rows_only(monkeypatch):
+    if not cpu_linear.can_pack(torch.float32, torch.device("cpu")):
+        pytest.skip("oneDNN cannot pack here")
+    gen = torch.Generator().manual_seed(2)
+    layer = PackedLinear(576, {"a": range(100), "b": range(60)})
+    layer.weight.data = torch.randn(160, 576, generator=gen)
+    layer.pack_for_cpu()
+    assert layer.weight is not None and layer.packed is not None  # dense rows kept beside oneDNN's
+    calls = []
+    real = cpu_native.linear
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, cpu_native.LINEAR_ROWS, cpu_native.LINEAR_ROWS + 1, 64):
+        x = torch.randn(rows, 576, generator=gen)
+        assert _rel(layer(x), x.double() @ layer.weight.double().T) < 1e-5
+    assert calls == [1, cpu_native.LINEAR_ROWS]  # wider steps go through oneDNN

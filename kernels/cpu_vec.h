@@ -1,0 +1,20 @@
+/* 8-float vectors for the native CPU kernels: GCC's portable vector extension (one AVX
+ * register; SSE/NEON pairs elsewhere), with unaligned loads and stores and a sum. */
+#ifndef KVRAY_CPU_VEC_H
+#define KVRAY_CPU_VEC_H
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
+
+static inline float sum8(v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+#endif
