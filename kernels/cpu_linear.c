@@ -1,86 +1,75 @@
-/* y = x W^T (+ b) for a few rows of x (fp32): the weight matmuls of a small decode step.
+/* y = x W^T (+ b) for steps of up to a few dozen rows of x (fp32): the weight matmuls of
+ * decode steps.
  *
- * With one to eight rows a linear reads every weight once and does little with it, so it
- * is bound by memory bandwidth: oneDNN's and MKL's kernels, built for wider batches,
- * reach about half of it here (BENCHMARKS.md, single stream). This kernel streams the
- * dense weight rows front to back, prefetching the next tile's rows, with the rows of x
- * in L1:
+ * At these row counts a linear reads each weight once and does little with it; oneDNN's
+ * kernels, tuned for wider batches, stream the weight at about half the machine's
+ * bandwidth at one row and reach 30-60 % of the fp32 peak at 8-32 rows (BENCHMARKS.md).
+ * This kernel reads the weight in panels of 16 output columns laid out k-major, so a
+ * panel streams front to back:
  *
- * - Work is split over threads by blocks of weight rows (about 64 KiB each, which stay in
- *   L2 while every group of 4 rows of x passes over them).
- * - A tile is MR rows of x against NR weight rows, vectorised along k with U independent
- *   accumulators per pair; the tile shapes are chosen per MR to fit AVX2's 16 registers.
+ * - w_panels [ceil(n / 16)][k][16]: panel p holds weight rows 16p..16p+15 (zeros past n),
+ *   element [p][kk][c] = W[16p + c][kk] (built once by cpu_native.to_panels).
+ * - Threads split the panels. For each group of up to 6 rows of x, a tile keeps the
+ *   6 x 16 outputs in 12 vector registers; each k broadcasts one value of each row of x
+ *   against the panel's 16 values at k (the shape of BLIS's AVX2 micro-kernel). The
+ *   panel (k x 64 bytes) stays in L1/L2 while the row groups pass over it.
  *
- * Layouts (elements): x rows of k floats, x_stride apart; w [n, k] contiguous; out rows
- * of n floats, out_stride apart; bias [n] or NULL. k must be a multiple of 16 (the caller
- * checks). Built with the other kernels by kernels/cpu_native.py.
+ * Layouts (elements): x rows of k floats, x_stride apart; out rows of n floats,
+ * out_stride apart; bias [n] or NULL. Built with the other kernels by cpu_native.py.
  */
 #include <stdint.h>
 
 #include "cpu_vec.h"
 
-#define MAX_ROWS 4        /* rows of x one tile covers */
-#define BLOCK_BYTES 65536 /* weight bytes a thread's block of rows holds */
-#define PREFETCH_TILES 2  /* how many tiles ahead weight rows are prefetched */
+#define PANEL 16   /* output columns of a panel: two vectors */
+#define MAX_ROWS 6 /* rows of x a tile covers: 12 accumulators of AVX2's 16 registers */
 
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, const float *w,
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, const float *panel,
                                                        int64_t k, float *out, int64_t out_stride,
-                                                       const float *bias, const int mr, const int nr,
-                                                       const int u) {
-    v8 acc[MAX_ROWS][4][2];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++)
-            for (int s = 0; s < u; s++) acc[i][j][s] = (v8){0};
-    for (int64_t kk = 0; kk < k; kk += 8 * u) {
-        if ((kk & 15) == 0)  // one prefetch per 64-byte line
-            for (int j = 0; j < nr; j++) __builtin_prefetch(w + (j + PREFETCH_TILES * nr) * k + kk, 0, 0);
-        for (int s = 0; s < u; s++) {
-            v8 wv[4];
-            for (int j = 0; j < nr; j++) wv[j] = load8(w + j * k + kk + 8 * s);
-            for (int i = 0; i < mr; i++) {
-                const v8 xv = load8(x + i * x_stride + kk + 8 * s);
-                for (int j = 0; j < nr; j++) acc[i][j][s] += xv * wv[j];
-            }
+                                                       const float *bias, int cols, const int rows) {
+    v8 acc[MAX_ROWS][2];
+    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = (v8){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        const v8 lo = load8(panel + kk * PANEL), hi = load8(panel + kk * PANEL + 8);
+        for (int i = 0; i < rows; i++) {
+            const float xv = x[i * x_stride + kk];
+            const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+            acc[i][0] += xb * lo;
+            acc[i][1] += xb * hi;
         }
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) {
-            v8 total = acc[i][j][0];
-            for (int s = 1; s < u; s++) total += acc[i][j][s];
-            out[i * out_stride + j] = sum8(total) + (bias ? bias[j] : 0.0f);
+    for (int i = 0; i < rows; i++) {
+        float *o = out + i * out_stride;
+        if (cols == PANEL && bias == 0) {
+            store8(o, acc[i][0]);
+            store8(o + 8, acc[i][1]);
+        } else {
+            for (int c = 0; c < cols; c++) o[c] = (c < 8 ? acc[i][0][c] : acc[i][1][c - 8]) + (bias ? bias[c] : 0.0f);
         }
+    }
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int);
 
-#define TILE(MR, NR, U)                                                                                     \
-    static void tile_##MR##x##NR(const float *x, int64_t xs, const float *w, int64_t k, float *out,         \
-                                 int64_t os, const float *bias) {                                           \
-        tile(x, xs, w, k, out, os, bias, MR, NR, U);                                                        \
+#define TILE(ROWS)                                                                                           \
+    static void tile_##ROWS(const float *x, int64_t xs, const float *panel, int64_t k, float *out, int64_t os, \
+                            const float *bias, int cols) {                                                  \
+        tile(x, xs, panel, k, out, os, bias, cols, ROWS);                                                    \
     }
-TILE(1, 4, 1) TILE(2, 2, 2) TILE(3, 2, 1) TILE(4, 2, 1)  // the wide tiles, by rows of x
-TILE(1, 1, 2) TILE(2, 1, 2) TILE(3, 1, 2) TILE(4, 1, 2)  // one weight row: a block's tail
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+static const tile_fn TILES[MAX_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
-static const tile_fn WIDE[MAX_ROWS + 1] = {0, tile_1x4, tile_2x2, tile_3x2, tile_4x2};
-static const int WIDTH[MAX_ROWS + 1] = {0, 4, 2, 2, 2};
-static const tile_fn NARROW[MAX_ROWS + 1] = {0, tile_1x1, tile_2x1, tile_3x1, tile_4x1};
-
-void kvray_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *out,
+void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
-    int64_t block = BLOCK_BYTES / (4 * k) / 4 * 4;
-    block = block < 4 ? 4 : block;
-    const int64_t blocks = (n + block - 1) / block;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t first = b * block, end = first + block < n ? first + block : n;
-        for (int64_t row = 0; row < m; row += MAX_ROWS) {
-            const int mr = m - row < MAX_ROWS ? (int)(m - row) : MAX_ROWS;
-            const float *xr = x + row * x_stride;
-            float *outr = out + row * out_stride;
-            int64_t j = first;
-            for (; j + WIDTH[mr] <= end; j += WIDTH[mr])
-                WIDE[mr](xr, x_stride, w + j * k, k, outr + j, out_stride, bias ? bias + j : 0);
-            for (; j < end; j++) NARROW[mr](xr, x_stride, w + j * k, k, outr + j, out_stride, bias ? bias + j : 0);
+    for (int64_t p = 0; p < panels; p++) {
+        const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+        const float *b = bias ? bias + p * PANEL : 0;
+        for (int64_t r = 0; r < m; r += MAX_ROWS) {
+            const int rows = m - r < MAX_ROWS ? (int)(m - r) : MAX_ROWS;
+            TILES[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL, k, out + r * out_stride + p * PANEL,
+                        out_stride, b, cols);
         }
     }
 }

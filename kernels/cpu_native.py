@@ -24,13 +24,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c", "cpu_linear.c")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]
-LINEAR_ROWS = 8  # `linear` beats oneDNN's packed weights up to here (BENCHMARKS.md, single stream)
+LINEAR_ROWS = 64  # `linear` beats oneDNN's packed weights up to here (BENCHMARKS.md, single stream)
+PANEL = 16  # output columns of a panel of `to_panels` (kernels/cpu_linear.c)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -232,36 +234,46 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x
 
 
-def takes_linear(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """Whether `linear` takes x [rows, k] against this dense weight [n, k]: at most
-    LINEAR_ROWS fp32 CPU rows, k a multiple of 16, a contiguous fp32 weight."""
+class Panels(NamedTuple):
+    """A linear's weight [n, k] in kernels/cpu_linear.c's layout: [ceil(n / 16), k, 16]."""
+
+    data: torch.Tensor
+    n: int
+
+
+def to_panels(weight: torch.Tensor) -> Panels:
+    """The fp32 weight [n, k] in panels of 16 output columns, k-major (zero rows past n)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k)
+    padded[:n] = weight.detach()
+    return Panels(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n)
+
+
+def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:
+    """Whether `linear` takes x [rows, k]: at most LINEAR_ROWS fp32 CPU rows of this width."""
     return (
-        weight is not None
+        panels is not None
         and x.dim() == 2
         and x.shape[0] <= LINEAR_ROWS
         and usable(x)
-        and weight.dtype == torch.float32
-        and weight.is_contiguous()
-        and weight.shape[1] == x.shape[1]
-        and x.shape[1] % 16 == 0
+        and (x.shape[1] == panels.data.shape[1])
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b) for a few rows, streaming the dense weight once; see `takes_linear`."""
+def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for the rows of a decode step; see `takes_linear`."""
     rows, k = x.shape
-    n = weight.shape[0]
-    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == n)
-    out = torch.empty(rows, n)
+    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == panels.n)
+    out = torch.empty(rows, panels.n)
     library().kvray_linear_f32(
         x.data_ptr(),
         x.stride(0),
-        weight.data_ptr(),
+        panels.data.data_ptr(),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
-        n,
+        panels.n,
         rows,
-        n,
+        panels.n,
         k,
         torch.get_num_threads(),
     )

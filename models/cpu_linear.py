@@ -8,12 +8,12 @@ Packing each weight once into oneDNN's layout (`torch.ops.mkldnn._reorder_linear
 and multiplying with `_linear_pointwise` skips that copy: 1.5-2.5x faster at M = 4-64 and
 ~15 % at M = 256 on a 2-core AVX2 CPU.
 
-At 1-8 rows (a single stream's decode step, a few streams) a linear is bound by reading
-the weight, and oneDNN's kernels stream it at about half the machine's bandwidth; the
-native kernel (`cpu_native.linear`, kernels/cpu_linear.c) streams the dense rows at
-nearly all of it. Where that kernel is built (fp32), the dense weight is kept beside the
-packed one for those steps, at the cost of a second copy of the weights; elsewhere the
-dense weight is released after packing.
+At the rows of a decode step (1-64) oneDNN's kernels are slow for these shapes: at one
+row they stream the weight at about half the machine's bandwidth. Where the native
+kernel is built (fp32), each layer also keeps its weight in that kernel's panel layout
+(`cpu_native.to_panels`, kernels/cpu_linear.c) and steps of up to `LINEAR_ROWS` rows go
+through it, at the cost of a second copy of the weights. The dense weight is released
+after packing.
 
 Used where the engine runs on a CPU with oneDNN, for fp32 (and bf16 where oneDNN takes
 it: AVX512 or AVX-NE-CONVERT CPUs); anything else keeps `F.linear`.
@@ -34,11 +34,17 @@ logger = logging.getLogger(__name__)
 BATCH_HINT = 16  # oneDNN's packing is tuned for about this many rows; any count works
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | None, bias, packed: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b): a few rows through the native kernel, else through the packed weight
-    when there is one."""
-    if cpu_native.takes_linear(x, weight):
-        return cpu_native.linear(x, weight, bias)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias,
+    packed: torch.Tensor | None,
+    panels: cpu_native.Panels | None = None,
+) -> torch.Tensor:
+    """x W^T (+ b): a decode step's rows through the native panels, else through the
+    packed weight when there is one."""
+    if cpu_native.takes_linear(x, panels):
+        return cpu_native.linear(x, panels, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -63,13 +69,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
+def panels_for(weight: torch.Tensor) -> cpu_native.Panels | None:
+    """The weight in the native kernel's panels, where that kernel runs (fp32, built here)."""
+    if weight.dtype != torch.float32 or cpu_native.library() is None:
+        return None
+    return cpu_native.to_panels(weight)
+
+
 def pack_layer(layer: nn.Module) -> None:
-    """layer.packed = its weight in oneDNN's layout; the dense `layer.weight` stays only
-    where the native few-row kernel will read it (fp32, the library built here)."""
-    layer.packed = pack_weight(layer.weight)
-    keep = layer.weight.dtype == torch.float32 and layer.weight.is_contiguous() and cpu_native.library()
-    if not keep:
-        layer.weight = None
+    """layer.packed = its weight in oneDNN's layout, layer.panels = in the native kernel's
+    (or None); the dense `layer.weight` goes."""
+    layer.packed, layer.panels = pack_weight(layer.weight), panels_for(layer.weight)
+    layer.weight = None
 
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
@@ -83,7 +94,7 @@ def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> in
                 module.pack_for_cpu()
                 packed += 1
     kept = dtype == torch.float32 and cpu_native.library() is not None
-    dense = f"; dense rows kept for steps of up to {cpu_native.LINEAR_ROWS} rows" if kept else ""
+    dense = f"; native panels for steps of up to {cpu_native.LINEAR_ROWS} rows" if kept else ""
     name = str(dtype).removeprefix("torch.")
     logger.info("kvray: %d linear layers packed for oneDNN (%s)%s", packed, name, dense)
     return packed

@@ -55,6 +55,7 @@ class PackedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.zeros(start)) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU)
+        self.panels: cpu_native.Panels | None = None  # ... and in the native kernel's (CPU, fp32)
         self.weight.weight_loader = self._load
         if self.bias is not None:
             self.bias.weight_loader = self._load
@@ -68,7 +69,7 @@ class PackedLinear(nn.Module):
         pack_layer(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.panels)
 
 
 class RowParallelLinear(nn.Module):
@@ -82,6 +83,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, len(in_cols)))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU)
+        self.panels: cpu_native.Panels | None = None  # ... and in the native kernel's (CPU, fp32)
         self.weight.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
@@ -92,8 +94,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed)
-        y = self.shard.all_reduce(linear(x, self.weight, None, self.packed))
+            return linear(x, self.weight, self.bias, self.packed, self.panels)
+        y = self.shard.all_reduce(linear(x, self.weight, None, self.packed, self.panels))
         return y if self.bias is None else y + self.bias
 
 

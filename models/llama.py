@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.errors import InvalidArgumentError
+from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata
-from kvray.models.cpu_linear import linear, pack_weight
+from kvray.models.cpu_linear import linear, pack_weight, panels_for
 from kvray.models.layers import (
     PackedLinear,
     RMSNorm,
@@ -138,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
             if not self.tie_word_embeddings:
                 self.lm_head = VocabParallelEmbedding(vocab, config.hidden_size, shard)
         self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (CPU)
+        self.panels_head: cpu_native.Panels | None = None  # ... and in the native kernel's
 
     def forward(
         self,
@@ -159,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         tensor rank of it takes part in the gather)."""
         hidden = self.norm(hidden)
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        logits = linear(hidden, head.weight, None, self.packed_head)
+        logits = linear(hidden, head.weight, None, self.packed_head, self.panels_head)
         width = -(-self.config.vocab_size // self.shard.tp_size)
         return self.shard.all_gather_last(logits, width)[:, : self.config.vocab_size].float()
 
@@ -167,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's packed copy (the embedding keeps its rows: a tied head shares them)."""
         if self.shard.spec.is_last_stage:
             head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-            self.packed_head = pack_weight(head.weight)
+            self.packed_head, self.panels_head = pack_weight(head.weight), panels_for(head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (full, unsharded) into our parameters, each parameter

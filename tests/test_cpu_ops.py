@@ -74,33 +74,34 @@ def test_layers_give_what_their_torch_path_gives(monkeypatch):
     assert torch.equal(native[1][1], torch_path[1][1])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize(("n", "k"), [(37, 576), (960, 576), (130, 1536), (6, 16)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize(("n", "k"), [(37, 576), (960, 576), (130, 1536), (6, 16), (17, 3)])
 def test_linear_against_float64(rows, n, k):
-    """Every tile shape (1-4 rows of x, 1-4 weight rows), blocks with tails, a bias, and
-    rows of x that lie apart (a slice of wider rows)."""
+    """Every tile height (1-6 rows of x, several groups), a last panel of 1-16 columns, a
+    bias, and rows of x that lie apart (a slice of wider rows)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     wide = torch.randn(rows, k + 48, generator=gen)
     x = wide[:, 16 : 16 + k]
     weight, bias = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
-    assert cpu_native.takes_linear(x, weight)
+    panels = cpu_native.to_panels(weight)
+    assert cpu_native.takes_linear(x, panels)
     want = x.double() @ weight.double().T
-    assert _rel(cpu_native.linear(x, weight, None), want) < 1e-5
-    assert _rel(cpu_native.linear(x, weight, bias), want + bias.double()) < 1e-5
+    assert _rel(cpu_native.linear(x, panels, None), want) < 1e-5
+    assert _rel(cpu_native.linear(x, panels, bias), want + bias.double()) < 1e-5
 
 
-def test_packed_layer_uses_the_native_kernel_for_few_rows_only(monkeypatch):
+def test_packed_layer_uses_the_native_kernel_for_decode_rows_only(monkeypatch):
     if not cpu_linear.can_pack(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN cannot pack here")
     gen = torch.Generator().manual_seed(2)
     layer = PackedLinear(576, {"a": range(100), "b": range(60)})
-    layer.weight.data = torch.randn(160, 576, generator=gen)
+    weight = layer.weight.data = torch.randn(160, 576, generator=gen)
     layer.pack_for_cpu()
-    assert layer.weight is not None and layer.packed is not None  # dense rows kept beside oneDNN's
+    assert layer.weight is None and layer.packed is not None and layer.panels is not None
     calls = []
     real = cpu_native.linear
     monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, cpu_native.LINEAR_ROWS, cpu_native.LINEAR_ROWS + 1, 64):
+    for rows in (1, cpu_native.LINEAR_ROWS, cpu_native.LINEAR_ROWS + 1, 200):
         x = torch.randn(rows, 576, generator=gen)
-        assert _rel(layer(x), x.double() @ layer.weight.double().T) < 1e-5
+        assert _rel(layer(x), x.double() @ weight.double().T) < 1e-5
     assert calls == [1, cpu_native.LINEAR_ROWS]  # wider steps go through oneDNN
