@@ -96,7 +96,7 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
         if e.key.startswith("native::paged_decode"):
             parts["attention (native kernel)"] += e.self_cpu_time_total
         elif e.key.startswith("native::linear"):
-            parts["weight matmuls (native, dense rows)"] += e.self_cpu_time_total
+            parts["weight matmuls (native panels)"] += e.self_cpu_time_total
         elif "linear" in e.key:
             parts["weight matmuls (oneDNN packed)"] += e.self_cpu_time_total
         elif e.key.startswith("native::"):
