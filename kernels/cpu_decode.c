@@ -90,14 +90,20 @@ typedef struct {
     float scale;
 } Cache;
 
-/* The same row of the next block of the span: its blocks are scattered, so the hardware
- * prefetcher cannot know where the next one lies; asking a row ahead hides the latency. */
-static inline void prefetch_next(const float *cache, const Cache *c, const int32_t *table, int64_t t,
-                                 int64_t end) {
-    const int64_t ahead = t + PREFETCH_BLOCKS * c->block_size;
-    if (ahead >= end) return;
-    const float *row = cache + table[ahead / c->block_size] * c->block_stride + (ahead % c->block_size) * c->token_stride;
+/* The same row of the next block of the span (`next`: that block, or NULL past the span):
+ * its blocks are scattered, so the hardware prefetcher cannot know where the next one
+ * lies; asking a block ahead hides the latency. */
+static inline void prefetch_row(const float *next, const Cache *c, int64_t offset) {
+    if (next == 0) return;
+    const float *row = next + offset * c->token_stride;
     for (int64_t x = 0; x < c->token_stride; x += 16) __builtin_prefetch(row + x);
+}
+
+/* The block of the span after the one that starts at position b0, or NULL */
+static inline const float *next_block(const float *cache, const Cache *c, const int32_t *table, int64_t b0,
+                                      int64_t end) {
+    const int64_t ahead = (b0 / c->block_size + PREFETCH_BLOCKS) * c->block_size;
+    return ahead < end ? cache + table[ahead / c->block_size] * c->block_stride : 0;
 }
 
 /* the first context position a sequence of `len` attends to */
@@ -126,20 +132,26 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
     const int64_t n = end - start;
     const int32_t hkv = c->num_kv_heads, d = c->head_dim, bs = c->block_size;
     const int32_t num_q_heads = hkv * group;
-    /* pass 1: scores[q_h][i] = q_h . k_i * scale, each key row read once, front to back */
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t t = start + i;
-        const float *row = c->k_cache + table[t / bs] * c->block_stride + (t % bs) * c->token_stride;
-        prefetch_next(c->k_cache, c, table, t, end);
-        for (int32_t h = 0; h < hkv; h++) {
-            const float *kp = row + (int64_t)h * d;
-            const float *qh = qs + (int64_t)h * group * d;
-            v8 a[8] = {0};
-            for (int32_t x = 0; x < d; x += 8) {
-                const v8 kv = load8(kp + x);
-                for (int g = 0; g < group; g++) a[g] += load8(qh + g * d + x) * kv;
+    /* pass 1: scores[q_h][i] = q_h . k_i * scale, each key row read once, front to back,
+     * a block at a time (one division per block, none per row) */
+    for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
+        const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
+        const float *block = c->k_cache + table[b0 / bs] * c->block_stride;
+        const float *next = next_block(c->k_cache, c, table, b0, end);
+        for (int64_t t = b0; t < b1; t++) {
+            const int64_t i = t - start;
+            const float *row = block + (t - first) * c->token_stride;
+            prefetch_row(next, c, t - first);
+            for (int32_t h = 0; h < hkv; h++) {
+                const float *kp = row + (int64_t)h * d;
+                const float *qh = qs + (int64_t)h * group * d;
+                v8 a[8] = {0};
+                for (int32_t x = 0; x < d; x += 8) {
+                    const v8 kv = load8(kp + x);
+                    for (int g = 0; g < group; g++) a[g] += load8(qh + g * d + x) * kv;
+                }
+                for (int g = 0; g < group; g++) scores[(h * group + g) * n + i] = sum8(a[g]) * c->scale;
             }
-            for (int g = 0; g < group; g++) scores[(h * group + g) * n + i] = sum8(a[g]) * c->scale;
         }
     }
     for (int32_t qh = 0; qh < num_q_heads; qh++)
@@ -147,9 +159,10 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
     /* pass 2: acc[q_h] = sum_i p[q_h][i] v_i, block by block; within a block, one head
      * slice of SLICE vectors at a time with the accumulators of its query heads in registers */
     for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
-        const int64_t b1 = (b0 / bs + 1) * bs < end ? (b0 / bs + 1) * bs : end;
+        const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
         const float *block = c->v_cache + table[b0 / bs] * c->block_stride;
-        for (int64_t t = b0; t < b1; t++) prefetch_next(c->v_cache, c, table, t, end);
+        const float *next = next_block(c->v_cache, c, table, b0, end);
+        for (int64_t t = b0; t < b1; t++) prefetch_row(next, c, t - first);
         for (int32_t h = 0; h < hkv; h++) {
             for (int32_t x0 = 0; x0 < d; x0 += 8 * SLICE) {
                 v8 a[8][SLICE];
@@ -157,7 +170,7 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                     for (int s = 0; s < SLICE; s++)
                         a[g][s] = b0 == start ? (v8){0} : load8(acc + (h * group + g) * d + x0 + 8 * s);
                 for (int64_t t = b0; t < b1; t++) {
-                    const float *vp = block + (t % bs) * c->token_stride + (int64_t)h * d + x0;
+                    const float *vp = block + (t - first) * c->token_stride + (int64_t)h * d + x0;
                     v8 vv[SLICE];
                     for (int s = 0; s < SLICE; s++) vv[s] = load8(vp + 8 * s);
                     for (int g = 0; g < group; g++) {
