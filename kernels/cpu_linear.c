@@ -38,11 +38,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
             acc[i][1] += xb * hi;
         }
     }
+    const int whole = cols == PANEL && bias != 0; /* a full panel's bias adds as two vectors */
+    const v8 b_lo = whole ? load8(bias) : (v8){0}, b_hi = whole ? load8(bias + 8) : (v8){0};
     for (int i = 0; i < rows; i++) {
         float *o = out + i * out_stride;
-        if (cols == PANEL && bias == 0) {
-            store8(o, acc[i][0]);
-            store8(o + 8, acc[i][1]);
+        if (cols == PANEL) {
+            store8(o, acc[i][0] + b_lo);
+            store8(o + 8, acc[i][1] + b_hi);
         } else {
             for (int c = 0; c < cols; c++) o[c] = (c < 8 ? acc[i][0][c] : acc[i][1][c - 8]) + (bias ? bias[c] : 0.0f);
         }

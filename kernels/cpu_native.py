@@ -195,8 +195,8 @@ def rms_norm(
     """(x / rms(x) * weight, None); with `residual`: (norm of s, s) for s = x + residual.
     x, residual: [rows, dim] fp32 with unit-stride rows."""
     rows, dim = x.shape
-    out = torch.empty(rows, dim)
-    summed = None if residual is None else torch.empty(rows, dim)
+    out = torch.empty(rows, dim, dtype=torch.float32)
+    summed = None if residual is None else torch.empty(rows, dim, dtype=torch.float32)
     library().kvray_rms_norm_f32(
         x.data_ptr(),
         x.stride(0),
@@ -244,7 +244,7 @@ class Panels(NamedTuple):
 def to_panels(weight: torch.Tensor) -> Panels:
     """The fp32 weight [n, k] in panels of 16 output columns, k-major (zero rows past n)."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k)
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
     padded[:n] = weight.detach()
     return Panels(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n)
 
@@ -264,7 +264,7 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
     """x W^T (+ b) for the rows of a decode step; see `takes_linear`."""
     rows, k = x.shape
     assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == panels.n)
-    out = torch.empty(rows, panels.n)
+    out = torch.empty(rows, panels.n, dtype=torch.float32)
     library().kvray_linear_f32(
         x.data_ptr(),
         x.stride(0),
