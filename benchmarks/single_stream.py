@@ -80,8 +80,9 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
     engine.add_request(
         "p", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     )
-    while engine.last_step is None or engine.last_step.num_batched_tokens != 1:
-        engine.step()  # the prompt
+    engine.step()  # the prompt (an earlier run's last step says nothing about this one)
+    while engine.last_step.num_batched_tokens != 1:
+        engine.step()  # the prompt's further chunks
     steps = 0
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

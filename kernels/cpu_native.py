@@ -256,7 +256,7 @@ def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:
         and x.dim() == 2
         and x.shape[0] <= LINEAR_ROWS
         and usable(x)
-        and (x.shape[1] == panels.data.shape[1])
+        and x.shape[1] == panels.data.shape[1]
     )
 
 

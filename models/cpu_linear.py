@@ -93,8 +93,8 @@ def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> in
             if hasattr(module, "pack_for_cpu"):
                 module.pack_for_cpu()
                 packed += 1
-    kept = dtype == torch.float32 and cpu_native.library() is not None
-    dense = f"; native panels for steps of up to {cpu_native.LINEAR_ROWS} rows" if kept else ""
+    native = any(getattr(module, "panels", None) is not None for module in model.modules())
+    panels = f"; native panels for steps of up to {cpu_native.LINEAR_ROWS} rows" if native else ""
     name = str(dtype).removeprefix("torch.")
-    logger.info("kvray: %d linear layers packed for oneDNN (%s)%s", packed, name, dense)
+    logger.info("kvray: %d linear layers packed for oneDNN (%s)%s", packed, name, panels)
     return packed
