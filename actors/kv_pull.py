@@ -41,6 +41,10 @@ class KVPuller:
         try:
             if ticket is None or prefill is None:
                 raise KVPullError("no ticket (the prefill could not pin its blocks)")
+            try:
+                self.layout.check_pull_from(ticket.layout)
+            except ValueError as e:
+                raise KVPullError(str(e)) from e
             if ticket.layout.num_shards == 1 and self.layout.num_shards == 1:
                 moved = await self.connector.pull(ticket, prefill, kv_cache, blocks)
             else:

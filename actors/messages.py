@@ -15,6 +15,7 @@ from typing import NamedTuple
 from kvray.engine import SamplingParams
 from kvray.engine.kv_transfer import KVTicket
 from kvray.engine.outputs import Logprob
+from kvray.engine.spec_decode import SpecDecodeStats
 
 # seconds; the buckets of the per-pull `kvray:kv_transfer_seconds` histogram (+Inf beyond)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -75,4 +76,5 @@ class WorkerStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     accepting: bool = True  # False once the worker is leaving (draining)

@@ -112,7 +112,7 @@ class ShardWorker:
         hf_config = load_config(path)
         self.runner = build_runner(config, hf_config, path, shard)
         self.shard_id = f"{worker_id}/{rank}"
-        layout = kv_layout_of(hf_config, spec, config.block_size, self.runner.dtype)
+        layout = kv_layout_of(hf_config, spec, config.block_size, self.runner.dtype, self.runner.kv_quant)
         self.source = KVSource(None, self.runner.kv_cache, self.runner.device, layout)
         kv = KVTransferConfig(**kv_config)
         backend = "nccl" if self.runner.device.type == "cuda" else "gloo"

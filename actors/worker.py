@@ -204,6 +204,7 @@ class EngineWorker:
             prefix_queries=e.prefix_queries,
             prefix_hits=e.prefix_hits,
             num_preemptions=e.num_preemptions,
+            spec_decode=e.spec_decode,
             accepting=self.accepting,
         )
 

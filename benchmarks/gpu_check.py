@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from gpu_check_kernels import bench_decode, bench_prefill, check_correctness
+from gpu_check_kernels import bench_decode, bench_prefill, bench_quantized_decode, check_correctness
 from gpu_check_plan import GPU_PLAN, SMOKE_PLAN, Plan, Timer, table
 
 
@@ -183,11 +183,18 @@ def run(plan: Plan, smoke: bool) -> tuple[list[str], bool]:
         ok &= matched
         return lines
 
+    def quantized() -> list[str]:
+        nonlocal ok
+        lines, passed = bench_quantized_decode(plan, timer)
+        ok &= passed
+        return lines
+
     heads = "{} q heads, {} KV heads, head dim {}".format(*plan.heads)
     dtype = str(plan.bench_dtype)[6:]
     section("Kernel correctness vs float64", correctness)
     section(f"Decode attention ({heads}, block 16, {dtype})", decode)
     section(f"Prefill chunk attention ({heads}, {dtype})", prefill)
+    section("Decode attention over 8-bit KV caches", quantized)
     section("Engine decode throughput", lambda: bench_engine(plan, timer))
     verdict = verdict or ["- not measured: the decode section did not finish"]
     report += ["## Targets" + (" (smoke: not judged)" if smoke else ""), "", *verdict, ""]

@@ -204,3 +204,74 @@ def bench_prefill(plan: Plan, timer: Timer) -> tuple[list[str], bool]:
     ]
     header = ["tokens", "kvray ms", "kvray TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "kvray/SDPA", "matches SDPA"]
     return table(header, rows), r.matches
+
+
+def bench_quantized_decode(plan: Plan, timer: Timer) -> tuple[list[str], bool]:
+    """(d) Decode at the target shape over 8-bit caches (int8; fp8 e4m3 on a GPU) made from
+    the same values as the model-dtype cache: time, bytes read (codes and scales) and the
+    error against float64 attention over the dequantized cache."""
+    from kvray.kernels.kv_quant import QUANTS, dequantize, quantize, split_cache
+    from kvray.kernels.triton_attention import unified_attention
+
+    num_q_heads, num_kv_heads, head_dim = plan.heads
+    batch, ctx = plan.target
+    group, scale = num_q_heads // num_kv_heads, head_dim**-0.5
+    b = make_paged_batch(
+        [1] * batch, [ctx] * batch, num_kv_heads, group, head_dim, 16, plan.bench_dtype, plan.device
+    )
+    names = ["auto"] + (["int8", "fp8_e4m3"] if plan.device.type == "cuda" else ["int8"])
+    rows, ok, base_ms = [], True, None
+    for name in names:
+        out = torch.empty_like(b.q)
+        if name == "auto":
+            caches, scales, per_pos = (
+                (b.k_cache, b.v_cache),
+                (None, None),
+                b.k_cache.element_size() * head_dim,
+            )
+            ref_b = b
+        else:
+            quant = QUANTS[name]
+            views = []
+            for values in (b.k_cache, b.v_cache):
+                storage = torch.empty(
+                    (*values.shape[:-1], head_dim + 4), dtype=torch.int8, device=plan.device
+                )
+                codes, row_scales = split_cache(storage, quant)
+                codes[:], row_scales[:] = quantize(values, quant)
+                views.append((codes, row_scales))
+            caches, scales, per_pos = (views[0][0], views[1][0]), (views[0][1], views[1][1]), head_dim + 4
+            ref_b = PagedBatchView(b, *(dequantize(c, s, plan.bench_dtype) for c, s in views))
+        ms = timer.median_ms(
+            lambda caches=caches, out=out, scales=scales: unified_attention(
+                b.q, *caches, out, *b.args(), scale, None, *scales, max_seqlen_q=1, max_seqlen_k=ctx
+            )
+        )
+        base_ms = base_ms or ms
+        err = relative_error(out, attention_f64(ref_b, scale, None))
+        passed = err < REL_TOL[plan.bench_dtype]
+        ok &= passed
+        kv_bytes = 2 * batch * ctx * num_kv_heads * per_pos
+        rows.append(
+            [
+                name,
+                f"{ms:.3f}",
+                f"{kv_bytes / 1e6:.1f}",
+                f"{kv_bytes / (ms * 1e-3) / 1e9:.0f}",
+                f"{ms / base_ms:.2f}",
+                f"{err:.1e}",
+                "ok" if passed else "FAIL",
+            ]
+        )
+    header = ["kv_cache_dtype", "ms", "KV MB read", "GB/s", "time / model dtype's", "rel err", "result"]
+    return [f"batch {batch} x context {ctx}, {str(plan.bench_dtype)[6:]} queries", ""] + table(
+        header, rows
+    ), ok
+
+
+class PagedBatchView:
+    """A paged batch with other caches (the dequantized values, for the reference)."""
+
+    def __init__(self, batch, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        self.__dict__.update(vars(batch))
+        self.k_cache, self.v_cache = k_cache, v_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 DEFAULT_CHAT = "What is the capital of France? Answer in one sentence."
@@ -11,7 +12,12 @@ DEFAULT_CHAT = "What is the capital of France? Answer in one sentence."
 def _generate(args: argparse.Namespace) -> int:
     from kvray.engine import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+    )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.raw:
         out = llm.generate([args.prompt], params)[0]
@@ -62,7 +68,13 @@ def _deploy(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"offline": "offline_throughput.py", "serve": "serve.py", "tp": "tensor_parallel.py"}
+BENCHMARKS = {
+    "offline": "offline_throughput.py",
+    "serve": "serve.py",
+    "tp": "tensor_parallel.py",
+    "spec": "spec_decode.py",
+    "kv-int8": "kv_int8.py",
+}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -90,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one prompt with the offline engine")
     gen.add_argument("--model", default="smollm2-135m-instruct")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    gen.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     gen.add_argument("--prompt", default=DEFAULT_CHAT)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     gen.add_argument("--max-tokens", type=int, default=64)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvray.engine.spec_decode import SpeculativeConfig
 from kvray.errors import InvalidArgumentError, check_range
+from kvray.kernels.kv_quant import KV_CACHE_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 POLICIES = ("fcfs", "priority", "deadline")
@@ -19,6 +21,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwis
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # auto: bf16 on CUDA (fp16 without bf16); on CPU bf16 only if native, else fp32
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 (any device), fp8_e4m3 (CUDA)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -32,10 +35,16 @@ class EngineConfig:
     seed: int = 0
     scheduling_policy: str = "fcfs"
     device: str | None = None  # None: cuda when available
+    # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, ...};
+    # parsed into a SpeculativeConfig here (None: no speculation)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise InvalidArgumentError("dtype", self.dtype, f"one of {DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgumentError("kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise InvalidArgumentError("block_size", self.block_size, "one of 8, 16, 32, 64, 128")
         check_range("max_num_seqs", self.max_num_seqs, low=1)

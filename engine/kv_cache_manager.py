@@ -90,6 +90,18 @@ class KVCacheManager:
         self.num_hashed.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past its first `num_tokens` positions (rejected
+        drafts rolled back), last first. They were never indexed: only blocks full of
+        known tokens are, and those all lie before a request's drafts."""
+        held = self.req_blocks.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if len(held) > keep:
+            assert self.num_hashed.get(request.request_id, 0) <= keep, "trimming an indexed block"
+            extra = held[keep:]
+            del held[keep:]
+            self.pool.release(list(reversed(extra)))
+
     def detach(self, request: Request) -> list[int]:
         """Take the request's blocks out of its table without releasing them (a pin)."""
         self.num_hashed.pop(request.request_id, None)

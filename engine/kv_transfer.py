@@ -9,7 +9,12 @@ blocks that were reused meanwhile: a pin that is being read cannot expire.
 
 Packed layout of n blocks (one tensor, so a transfer is one message, not n * layers)::
 
-    [num_layers, 2 (k, v), n, block_size, num_kv_heads, head_dim]
+    [num_layers, 2 (k, v), n, block_size, num_kv_heads, row_width]
+
+row_width is head_dim, or for an 8-bit cache head_dim codes and their 4-byte scale
+(kernels/kv_quant.py): a pull moves the quantized bytes as they are. Both sides must
+hold the same kind of cache (`KVLayout.check_pull_from`); a pull between different ones
+is refused, and the decode side recomputes the prompt.
 
 A large transfer goes as a few such tensors, each a contiguous range of layers
 (`layer_chunks`), so packing one chunk overlaps with sending the previous one and
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvray.kernels.kv_quant import SCALE_BYTES, KVQuant
 from kvray.models.layers import head_dim_of
 from kvray.models.parallel import ShardSpec
 
@@ -40,10 +46,31 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # torch dtype name, e.g. "float32"
+    dtype: str  # the cache tensor's torch dtype name, e.g. "float32" ("int8": 8-bit caches)
     num_heads: int = 0  # query heads (0: as many as KV heads); fixes the head partition
     tp_size: int = 1
     pp_size: int = 1
+    quant: str | None = None  # an 8-bit cache's kv_cache_dtype ("int8", "fp8_e4m3"): rows
+    # then hold head_dim codes and a 4-byte scale (kernels/kv_quant.py)
+
+    @property
+    def cache_dtype(self) -> str:
+        """What the blocks hold: the quantization, or the values' dtype."""
+        return self.quant or self.dtype
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, KV head) row of the cache tensor."""
+        return self.head_dim + SCALE_BYTES if self.quant else self.head_dim
+
+    def check_pull_from(self, src: KVLayout) -> None:
+        """Refuse a pull from a cache whose blocks this one cannot hold as they are."""
+        for name in ("cache_dtype", "block_size", "head_dim", "num_layers", "num_kv_heads"):
+            mine, theirs = getattr(self, name), getattr(src, name)
+            if mine != theirs:
+                raise ValueError(
+                    f"KV layouts differ: {name} is {theirs!r} on the prefill side, {mine!r} here"
+                )
 
     @property
     def num_shards(self) -> int:
@@ -60,7 +87,7 @@ class KVLayout:
         return getattr(torch, self.dtype)
 
     def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_width)
 
     def packed_bytes(self, num_blocks: int) -> int:
         n = 1
@@ -82,16 +109,20 @@ class KVTicket:
     lease_deadline: float  # time.time() after which the blocks may be reused
 
 
-def kv_layout_of(hf_config, spec: ShardSpec, block_size: int, dtype: torch.dtype) -> KVLayout:
+def kv_layout_of(
+    hf_config, spec: ShardSpec, block_size: int, dtype: torch.dtype, quant: KVQuant | None = None
+) -> KVLayout:
+    """`dtype`: the model's; `quant`: the cache's 8-bit form, if any."""
     return KVLayout(
         hf_config.num_hidden_layers,
         block_size,
         hf_config.num_key_value_heads,
         head_dim_of(hf_config),
-        str(dtype).removeprefix("torch."),
+        "int8" if quant is not None else str(dtype).removeprefix("torch."),
         hf_config.num_attention_heads,
         spec.tp_size,
         spec.pp_size,
+        quant.name if quant is not None else None,
     )
 
 

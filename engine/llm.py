@@ -45,6 +45,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
+        speculative_config: dict | None = None,
         **kwargs,
     ):
         _check_keywords(kwargs)
@@ -61,6 +63,8 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             seed=seed,
+            kv_cache_dtype=kv_cache_dtype,
+            speculative_config=speculative_config,
             **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
         )
         engine_kwargs = {k: kwargs[k] for k in ENGINE_OBJECTS if k in kwargs}

@@ -7,6 +7,7 @@ scheduled, so one bad request never disturbs the others.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 
 from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
+from kvray.engine.draft_proposer import DraftProposer
 from kvray.engine.kv_cache_manager import KVCacheManager
 from kvray.engine.kv_connector import DecodeHandoff, PrefillHandoff
 from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, kv_layout_of
@@ -24,6 +26,8 @@ from kvray.engine.outputs import RequestOutput
 from kvray.engine.request import Request, RequestStatus, SampleGroup
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Scheduler
+from kvray.engine.spec_decode import SpecDecodeStats
+from kvray.engine.speculator import Speculator
 from kvray.engine.structured_outputs import GrammarCompiler
 from kvray.errors import InvalidArgumentError
 from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
@@ -55,6 +59,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    spec_decode: SpecDecodeStats  # a copy: drafts verified, tokens proposed and kept
 
 
 class LLMEngine:
@@ -66,8 +71,10 @@ class LLMEngine:
         model_path=None,
         tokenizer=None,
         shard: ShardContext | None = None,
+        draft_hf_config=None,
     ):
-        """Build from `config.model`; tests may pass `hf_config` (random weights, no path).
+        """Build from `config.model`; tests may pass `hf_config` (random weights, no path),
+        and `draft_hf_config` for a draft_model proposer's.
 
         Under tensor/pipeline parallelism this engine is the group's driver shard (rank 0
         of `shard`): it schedules, and its runner sends each step to the other shards.
@@ -90,7 +97,14 @@ class LLMEngine:
                 tokenizer = load_tokenizer(model_path)
         self.hf_config = hf_config
         self.tokenizer = tokenizer
-        self.runner = build_runner(config, hf_config, model_path, shard)
+        spec = config.speculative_config
+        drafter = None  # a draft model's cache shares the target's blocks: both count in the budget
+        if spec is not None and spec.method == "draft_model":
+            drafter = DraftProposer(spec, config, hf_config.vocab_size, draft_hf_config)
+        extra = drafter.bytes_per_block if drafter is not None else None
+        self.runner = build_runner(config, hf_config, model_path, shard, extra_bytes_per_block=extra)
+        if drafter is not None:
+            drafter.start(self.runner.num_blocks)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -109,6 +123,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = self._eos_ids(hf_config, model_path, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, self.eos_token_ids)
+        self.speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
+        self.spec_stats = self.speculator.stats if self.speculator is not None else SpecDecodeStats()
         self.last_step: StepStats | None = None
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), e.g. by adds
 
@@ -257,7 +273,7 @@ class LLMEngine:
                 pulling.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.abort([s.request_id for s in samples])
             for s in samples:
-                self.runner.forget(s.request_id)
+                self._forget(s.request_id)
             finals += [o for o in self.pending_outputs if o.request_id == rid]
             self.pending_outputs = [o for o in self.pending_outputs if o.request_id != rid]
             finals.append(self.outputs.output(rid))  # finished: never None
@@ -272,7 +288,11 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return outputs of requests that moved."""
         self.expire_kv_leases()
         pending = self.take_pending_outputs()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.fill(sched, self.kv)
         self.last_step = StepStats(
             sched.total_tokens, len(self.scheduler.running), len(self.scheduler.waiting)
         )
@@ -284,23 +304,35 @@ class LLMEngine:
         share = (time.perf_counter() - start) / len(sched.requests)
         for req in sched.requests:
             req.step_seconds += share
-        sampled = dict(zip(result.request_ids, result.sampled.token_ids))
-        logprobs = dict(zip(result.request_ids, result.sampled.logprobs))
-        advanced = self.scheduler.update_from_output(sched, sampled)
-        touched: dict[str, None] = {}
-        for req in advanced:
+        sampled = dict(zip(result.request_ids, result.token_ids))
+        logprobs = dict(zip(result.request_ids, result.logprobs))
+
+        def on_token(req: Request, j: int) -> None:
+            """The engine's checks of a request's j-th new token of this step."""
             if req.grammar is not None and not req.grammar.accept(req.output_token_ids[-1]):
                 logger.error("kvray engine: %s sampled a token its grammar refuses", req.request_id)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            stop = self.outputs.on_token(req, logprobs[req.request_id])
+            stop = self.outputs.on_token(req, logprobs[req.request_id][j])
             if stop is not None and not req.finished:
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+
+        advanced = self.scheduler.update_from_output(sched, sampled, on_token)
+        if self.speculator is not None:
+            self.speculator.settle(sched, sampled)
+        touched: dict[str, None] = {}
+        for req in advanced:
             if req.finished:
-                self.runner.forget(req.request_id)
+                self._forget(req.request_id)
             touched[self.outputs.parent_of(req.request_id)] = None
         outputs = (self.outputs.output(rid) for rid in touched)  # None: FINAL_ONLY, running
         return pending + [o for o in outputs if o is not None]
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request's per-request state in the runner (and the draft's)."""
+        self.runner.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def kv_cache_stats(self) -> KVCacheStats:
         return self.kv.stats()
@@ -319,6 +351,7 @@ class LLMEngine:
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=sched.num_preemptions,
+            spec_decode=copy.deepcopy(self.spec_stats),
         )
 
     def take_pending_outputs(self) -> list[RequestOutput]:
@@ -329,7 +362,8 @@ class LLMEngine:
 
     @property
     def kv_layout(self) -> KVLayout:
-        return kv_layout_of(self.hf_config, self.runner.spec, self.config.block_size, self.dtype)
+        runner = self.runner
+        return kv_layout_of(self.hf_config, runner.spec, self.config.block_size, self.dtype, runner.kv_quant)
 
     @property
     def pins(self) -> PinTable:

@@ -12,6 +12,7 @@ token this step (a prompt chunk that is not the prompt's end samples nothing).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,12 @@ import torch.distributed as dist
 from kvray.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from kvray.engine.cpu_allocator import keep_freed_memory_in_heap
 from kvray.engine.dtype import resolve_dtype
+from kvray.engine.rejection_sampler import verify
 from kvray.engine.sampler import Sampler, SamplerOutput, SampleRow
 from kvray.engine.scheduler import SchedulerOutput
 from kvray.errors import InvalidArgumentError
-from kvray.kernels.backend import AttentionMetadata, get_backend
+from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
+from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
 from kvray.models.cpu_linear import pack_model
 from kvray.models.layers import head_dim_of
 from kvray.models.loader import build_model
@@ -34,14 +37,27 @@ def engine_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def build_runner(config: EngineConfig, hf_config, model_path, shard: ShardContext | None = None):
-    """This shard's model (weights from `model_path`, random when None) and its runner."""
+def build_runner(
+    config: EngineConfig,
+    hf_config,
+    model_path,
+    shard: ShardContext | None = None,
+    *,
+    num_blocks: int | None = None,
+    extra_bytes_per_block: Callable[[torch.dtype], int] | None = None,
+):
+    """This shard's model (weights from `model_path`, random when None) and its runner.
+
+    `num_blocks`: that many KV blocks (a draft model's cache, as many as its target's);
+    `extra_bytes_per_block(dtype)`: bytes each block also costs elsewhere (the draft's
+    cache), taken out of the budget before counting blocks."""
     device = engine_device(config)
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = resolve_max_model_len(config, hf_config)
     model = build_model(hf_config, model_path, dtype, device, max_model_len, shard)
     pack_model(model, dtype, device)  # CPU: weights in oneDNN's layout, packed once
-    return ModelRunner(config, model, hf_config, device, dtype, max_model_len, shard)
+    extra = extra_bytes_per_block(dtype) if extra_bytes_per_block is not None else 0
+    return ModelRunner(config, model, hf_config, device, dtype, max_model_len, shard, num_blocks, extra)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -56,8 +72,13 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
 
 @dataclass
 class StepResult:
-    request_ids: list[str]  # requests that sampled a token, in batch order
-    sampled: SamplerOutput
+    request_ids: list[str]  # requests that sampled, in batch order
+    token_ids: list[list[int]]  # per request: kept drafts, then one sampled token
+    logprobs: list[list]  # per token, as SamplerOutput.logprobs
+
+    @classmethod
+    def plain(cls, request_ids: list[str], out: SamplerOutput) -> StepResult:
+        return cls(request_ids, [[t] for t in out.token_ids], [[lp] for lp in out.logprobs])
 
 
 @dataclass
@@ -71,8 +92,17 @@ class StepPlan:
     seq_lens: list[int]
     block_tables: list[list[int]]  # padded to one width
     logit_rows: list[int]  # rows of the tokens that sample, one per SampleRow
-    samples: list[SampleRow]
+    samples: list[SampleRow]  # one per logit row: a request with k drafts has k + 1
     forget: list[str]  # requests whose sampler state can go
+    drafts: list[list[int]] | None = None  # per sampling request, when any has drafts
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The sampling requests, in order (a request's rows are consecutive)."""
+        if self.drafts is None:
+            return [r.request_id for r in self.samples]
+        starts = _cumsum([0] + [len(d) + 1 for d in self.drafts[:-1]])
+        return [self.samples[i].request_id for i in starts]
 
 
 class ModelRunner:
@@ -94,6 +124,8 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         shard: ShardContext | None = None,
+        num_blocks: int | None = None,
+        extra_bytes_per_block: int = 0,
     ):
         self.config = config
         self.model = model
@@ -112,24 +144,44 @@ class ModelRunner:
         heads = self.spec.kv_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
         self.num_kv_heads = len(heads)
         self.head_dim = head_dim_of(hf_config)
-        self.num_blocks = self._num_blocks(max_model_len)
+        self.kv_quant = resolve_kv_cache_dtype(config.kv_cache_dtype, device)
+        self.extra_bytes_per_block = extra_bytes_per_block
+        self.num_blocks = num_blocks if num_blocks is not None else self._num_blocks(max_model_len)
         # One tensor for every layer's K and V, so a KV transfer packs or unpacks all
-        # layers' blocks in one indexing op; each layer's caches are contiguous views.
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        # layers' blocks in one indexing op; each layer's caches are views of it. An
+        # 8-bit cache's rows carry their scales (kv_quant.py): the views are strided.
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.row_width)
+        self.kv_cache = torch.zeros(shape, dtype=self.cache_storage_dtype, device=device)
+        self.kv_caches = [self._layer_kv(i) for i in range(self.num_layers)]
         self._forget: list[str] = []
 
     @property
+    def row_width(self) -> int:
+        """Elements of one (token, KV head) row of the cache tensor."""
+        return self.head_dim if self.kv_quant is None else self.kv_quant.row_bytes(self.head_dim)
+
+    @property
+    def cache_storage_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_quant is None else torch.int8
+
+    @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        elem = torch.tensor([], dtype=self.cache_storage_dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * elem
+
+    def _layer_kv(self, layer: int) -> LayerKV:
+        k, v = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        if self.kv_quant is None:
+            return LayerKV(k, v)
+        (k_codes, k_scale), (v_codes, v_scale) = split_cache(k, self.kv_quant), split_cache(v, self.kv_quant)
+        return LayerKV(k_codes, v_codes, k_scale, v_scale)
 
     def _num_blocks(self, max_model_len: int) -> int:
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             budget = DEFAULT_CPU_KV_BYTES if self.device.type != "cuda" else self._gpu_budget()
-        num_blocks = budget // self.bytes_per_block
+        per_block = self.bytes_per_block + self.extra_bytes_per_block
+        num_blocks = budget // per_block
         if self.spec.world_size > 1:  # one block table for the group: the smallest shard's count
             count = torch.tensor([num_blocks], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.shard.cpu_group)
@@ -139,8 +191,8 @@ class ModelRunner:
             raise InvalidArgumentError(
                 "kv_cache_memory_bytes",
                 budget,
-                f">= {blocks_needed * self.bytes_per_block} bytes ({blocks_needed} blocks of "
-                f"{self.bytes_per_block} B, one max_model_len={max_model_len} sequence); "
+                f">= {blocks_needed * per_block} bytes ({blocks_needed} blocks of "
+                f"{per_block} B, one max_model_len={max_model_len} sequence); "
                 "or lower max_model_len",
             )
         return num_blocks
@@ -158,14 +210,16 @@ class ModelRunner:
 
     def plan(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepPlan:
         input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, logit_rows, samples = [], [], [], []
+        query_lens, seq_lens, logit_rows, samples, drafts = [], [], [], [], []
         bs = self.block_size
         row = 0
         for i, req in enumerate(out.requests):
             n = out.num_scheduled_tokens[i]
+            d = out.draft_token_ids[i]
             start = req.num_computed_tokens
             table = block_tables[i]
-            input_ids.extend(req.all_token_ids[start : start + n])
+            input_ids.extend(req.all_token_ids[start : start + n - len(d)])
+            input_ids.extend(d)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -173,13 +227,23 @@ class ModelRunner:
             seq_lens.append(start + n)
             row += n
             if out.samples(i):
-                logit_rows.append(row - 1)
-                samples.append(_sample_row(req))
+                logit_rows.extend(range(row - 1 - len(d), row))
+                samples.extend(_sample_rows(req, d))
+                drafts.append(d)
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         forget, self._forget = self._forget, []
         return StepPlan(
-            input_ids, positions, slots, query_lens, seq_lens, padded, logit_rows, samples, forget
+            input_ids,
+            positions,
+            slots,
+            query_lens,
+            seq_lens,
+            padded,
+            logit_rows,
+            samples,
+            forget,
+            drafts if any(drafts) else None,
         )
 
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
@@ -192,7 +256,7 @@ class ModelRunner:
             box = [None]
             dist.recv_object_list(box, src=self.spec.sampler_rank, group=self.shard.cpu_group)
             result = box[0]
-        return result or StepResult([], SamplerOutput([], []))
+        return result or StepResult([], [], [])
 
     def stop_shards(self) -> None:
         """Driver: let every other shard's `serve` loop return."""
@@ -246,32 +310,58 @@ class ModelRunner:
             for rid in plan.forget:
                 self.sampler.forget(rid)
         if not plan.samples:
-            return StepResult([], SamplerOutput([], []))
+            return StepResult([], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(plan.logit_rows, device=dev)])
         if spec.rank != spec.sampler_rank:
             return None
-        return StepResult([r.request_id for r in plan.samples], self.sampler(logits, plan.samples))
+        if plan.drafts is None:
+            return StepResult.plain(plan.request_ids, self.sampler(logits, plan.samples))
+        verified = verify(self.sampler, logits, plan.samples, plan.drafts)
+        return StepResult(plan.request_ids, verified.token_ids, verified.logprobs)
 
 
-def _sample_row(req) -> SampleRow:
+def _sample_rows(req, drafts: list[int]) -> list[SampleRow]:
+    """The request's sampling state at its next position and, for each draft, at the
+    position after it (as if the drafts before it were already output)."""
     p = req.sampling_params
     penalised = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    return SampleRow(
-        req.request_id,
-        p,
-        req.sample_index,
-        req.num_output_tokens,
-        list(req.all_token_ids) if p.repetition_penalty != 1.0 else [],
-        list(req.output_token_ids) if penalised else [],
-        req.grammar.token_bitmask() if req.grammar is not None else None,
-        _suppressed(req),
-    )
+    rows = []
+    for j in range(len(drafts) + 1):
+        ahead = drafts[:j]
+        num_output = req.num_output_tokens + j
+        rows.append(
+            SampleRow(
+                req.request_id,
+                p,
+                req.sample_index,
+                num_output,
+                req.all_token_ids + ahead if p.repetition_penalty != 1.0 else [],
+                req.output_token_ids + ahead if penalised else [],
+                _bitmask(req.grammar, ahead),
+                _suppressed(req, num_output),
+            )
+        )
+    return rows
 
 
-def _suppressed(req) -> list[int]:
+def _bitmask(grammar, ahead: list[int]):
+    """The grammar's allowed tokens after `ahead` (drafts it accepts: the proposer checks),
+    leaving the grammar where it was."""
+    if grammar is None:
+        return None
+    if not ahead:
+        return grammar.token_bitmask()
+    for token in ahead:
+        grammar.accept(token)
+    mask = grammar.token_bitmask()
+    grammar.rollback(len(ahead))
+    return mask
+
+
+def _suppressed(req, num_output: int) -> list[int]:
     """Tokens it may not sample yet: end-of-sequence and stop tokens before `min_tokens`."""
     p = req.sampling_params
-    if req.num_output_tokens >= p.min_tokens or (req.grammar is not None and req.grammar.is_terminated):
+    if num_output >= p.min_tokens or (req.grammar is not None and req.grammar.is_terminated):
         return []
     return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
 

@@ -71,6 +71,7 @@ class Request:
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     grammar: GrammarMatcher | None = None  # where its structured output stands
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

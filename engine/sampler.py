@@ -50,20 +50,25 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[SampleRow]) -> SamplerOutput:
         """logits fp32 [B, V], row i belongs to requests[i]."""
-        logits = logits[:, : self.vocab_size]
-        raw = logits
+        raw = logits[:, : self.vocab_size]
+        logits = self.process(raw, requests)
         params = [r.sampling_params for r in requests]
-        logits = self._apply_penalties(logits, requests)
-        logits = self._apply_logit_bias(logits, requests)
-        masks = {i: m for i, r in enumerate(requests) if (m := getattr(r, "token_bitmask", None)) is not None}
-        if masks:  # the grammar's mask last: nothing after it re-allows a token
-            logits = apply_token_bitmask(logits, list(masks), list(masks.values()))
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, requests)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, token_list, params))
+        return SamplerOutput(token_list, self.logprobs(raw, token_list, params))
+
+    def process(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
+        """Penalties, logit bias, suppressed tokens and grammar masks applied to [B, V]
+        logits (a copy where anything changes)."""
+        logits = self._apply_penalties(logits, requests)
+        logits = self._apply_logit_bias(logits, requests)
+        masks = {i: m for i, r in enumerate(requests) if (m := getattr(r, "token_bitmask", None)) is not None}
+        if masks:  # the grammar's mask last: nothing after it re-allows a token
+            logits = apply_token_bitmask(logits, list(masks), list(masks.values()))
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
         rows = [
@@ -110,21 +115,29 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[SampleRow]):
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        probs = (logits / temps[:, None]).softmax(dim=-1)
-        probs = _filter_min_p(probs, [p.min_p for p in params])
-        probs = _filter_top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
-        uniform = torch.rand(len(params), 1, device=device)
-        for i, p in enumerate(params):
-            if p.seed is not None and not p.greedy:
-                uniform[i] = torch.rand(1, device=device, generator=self._generator(requests[i], device))
-        cdf = probs.cumsum(dim=-1)
-        target = uniform * cdf[:, -1:]
-        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        # never land on a zero-probability token through rounding at the top of the CDF
-        sampled = torch.minimum(sampled, (probs > 0).cumsum(-1).argmax(-1))
+        probs = self.probabilities(logits, params)
+        uniform = self.uniform(requests, device)
+        sampled = invert_cdf(probs, uniform)
         greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then min-p, top-k, top-p
+        (unnormalised after the filters). Greedy rows come out at temperature 1."""
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        probs = (logits / temps[:, None]).softmax(dim=-1)
+        probs = _filter_min_p(probs, [p.min_p for p in params])
+        return _filter_top_k_top_p(probs, [p.top_k for p in params], [p.top_p for p in params])
+
+    def uniform(self, requests: list[SampleRow], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) draw per row, [B, 1]: seeded requests' from their own generator."""
+        uniform = torch.rand(len(requests), 1, device=device)
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if p.seed is not None and not p.greedy:
+                uniform[i] = torch.rand(1, device=device, generator=self._generator(r, device))
+        return uniform
 
     def _generator(self, r: SampleRow, device: torch.device) -> torch.Generator:
         g = self.generators.get(r.request_id)
@@ -136,7 +149,9 @@ class Sampler:
         return g
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list:
+    def logprobs(raw: torch.Tensor, tokens: list[int], params) -> list:
+        """Per row: (logprob of its token, rank, top-k list) from the raw logits, or None
+        where the request asked for no logprobs."""
         wanted = [p.logprobs for p in params]
         if all(k is None for k in wanted):
             return [None] * len(tokens)
@@ -153,6 +168,14 @@ class Sampler:
             top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist()))
             out.append((float(lp), rank, top))
         return out
+
+
+def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Row i's token at quantile uniform[i] of its (unnormalised) distribution, [B]."""
+    cdf = probs.cumsum(dim=-1)
+    sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    # never land on a zero-probability token through rounding at the top of the CDF
+    return torch.minimum(sampled, (probs > 0).cumsum(-1).argmax(-1))
 
 
 def _filter_min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:

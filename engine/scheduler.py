@@ -34,8 +34,11 @@ class SchedulerOutput:
     """One step's batch, in the order the model runner packs it."""
 
     requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)  # per request
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # per request, drafts included
     preempted: list[Request] = field(default_factory=list)
+    # per request: the proposed tokens it verifies this step (they come after its known
+    # tokens, the last num_draft_tokens of its scheduled ones); [] for most
+    draft_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -44,7 +47,13 @@ class SchedulerOutput:
     def samples(self, i: int) -> bool:
         """Does request i reach its last known token this step (so it samples one)?"""
         r = self.requests[i]
-        return r.num_computed_tokens + self.num_scheduled_tokens[i] == r.num_tokens
+        known = self.num_scheduled_tokens[i] - len(self.draft_token_ids[i])
+        return r.num_computed_tokens + known == r.num_tokens
+
+    def add(self, request: Request, num_tokens: int, drafts: list[int] = ()) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.draft_token_ids.append(list(drafts))
 
 
 class Scheduler:
@@ -94,7 +103,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, n) is None:
+            # a decoding request verifies its drafts in the same step, as far as the budget goes
+            drafts = req.spec_token_ids[: budget - n] if n == 1 else []
+            while self.kv.allocate_slots(req, n + len(drafts)) is None:
                 victim = self.running.pop()  # lowest ranked
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -102,9 +113,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(n)
-            budget -= n
+            out.add(req, n + len(drafts), drafts)
+            budget -= n + len(drafts)
             i += 1
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -137,8 +147,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(n)
+            out.add(req, n)
             budget -= n
         if admitted:
             taken = {id(r) for r in admitted}
@@ -148,25 +157,48 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts and append sampled tokens; returns requests that got a
-        token. Requests that hit EOS, a stop token, max_tokens or max_model_len finish here."""
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        on_token: Callable[[Request, int], None] | None = None,
+    ) -> list[Request]:
+        """Advance computed counts and append each request's new tokens (its kept drafts,
+        then one sampled token); returns the requests that got any. Requests that hit EOS,
+        a stop token, max_tokens or max_model_len finish there, dropping later tokens.
+
+        `on_token(request, j)` runs after the j-th new token is appended and checked (the
+        engine's stop strings and grammar; it may finish the request). Drafts that were
+        rejected are rolled back: their positions become uncomputed again, and blocks
+        holding only such positions go back to the pool."""
         advanced = []
         for i, req in enumerate(out.requests):
-            req.num_computed_tokens += out.num_scheduled_tokens[i]
-            if req.request_id not in sampled:
+            tokens = sampled.get(req.request_id)
+            drafts = out.draft_token_ids[i]
+            rejected = len(drafts) - (len(tokens) - 1) if tokens and drafts else 0
+            req.num_computed_tokens += out.num_scheduled_tokens[i] - rejected
+            req.spec_token_ids = []
+            if rejected and not req.finished:
+                self.kv.trim(req, req.num_computed_tokens)
+            if tokens is None:
                 continue
             if req.group is not None and req.sample_index == 0:
                 req.group.prompt_done = True
-            req.append_token(sampled[req.request_id])
+            for j, token in enumerate(tokens):
+                req.append_token(token)
+                reason = self.stop_reason(req)
+                if reason is not None:
+                    self.finish(req, reason)
+                if on_token is not None:
+                    on_token(req, j)
+                if req.finished:
+                    break
             advanced.append(req)
-            reason = self.stop_reason(req)
-            if reason is not None:
-                self.finish(req, reason)
         return advanced
 
     def stop_reason(self, req: Request) -> RequestStatus | None:

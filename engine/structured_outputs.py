@@ -141,6 +141,14 @@ class GrammarMatcher:
         """Advance by a sampled (or replayed) token; False (and unchanged) if it refuses it."""
         return bool(self._m.consume_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (drafts looked ahead over)."""
+        self._m.rollback(num_tokens)
+
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` it would accept, in order (unchanged)."""
+        return int(self._m.validate_tokens(token_ids)) if token_ids else 0
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing but the end of sequence."""

@@ -8,6 +8,7 @@ nothing that depends only on the batch is recomputed 30 times a step.
 Paged cache layout (per layer)::
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads]   (8-bit caches only)
     slot = block_id * block_size + offset_in_block      (slot -1: skip)
 
 Batch layout: the T scheduled tokens of S sequences are packed back to back; sequence
@@ -19,9 +20,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged cache: K and V, and for an 8-bit cache their scales (kv_quant.py)."""
+
+    k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # fp32 [num_blocks, block_size, Hkv]
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -57,8 +67,11 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: torch.Tensor | None = None,  # fp32 [num_blocks, block_size, Hkv]: 8-bit caches
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store k/v at meta.slot_mapping, then return attention output [T, Hq, D]."""
+        """Store k/v at meta.slot_mapping (quantized where the cache has scales), then
+        return attention output [T, Hq, D]."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

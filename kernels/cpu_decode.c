@@ -13,9 +13,12 @@
  * - A sequence split into spans leaves (max, sum, unnormalised output) per span and head;
  *   a last loop merges them (the log-sum-exp combination of flash-decoding).
  *
- * Layouts (elements, fp32):
+ * Layouts (elements, fp32 unless said):
  *   q, out        rows of [num_q_heads, head_dim]; row r starts at r * q_stride (out_stride)
- *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+ *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim], contiguous; or, for an
+ *                 8-bit cache (kvray_paged_decode_i8), int8 [..., head_dim + 4]: each row's
+ *                 codes then its fp32 scale (kernels/kv_quant.py). The scale multiplies a
+ *                 row's score (keys) or its softmax weight (values), never each element.
  *   block_tables  int32 [num_seqs, table_stride]
  *   seq_lens      int32 [num_seqs]: context length, the new token included
  *   rows          int64 [num_seqs]: the q (and out) row of each sequence
@@ -84,24 +87,37 @@ static float softmax_numerators(float *sq, int64_t n, float *max) {
 }
 
 typedef struct {
-    const float *k_cache, *v_cache;
-    int64_t token_stride, block_stride; /* floats between token rows, between blocks */
+    const char *k_cache, *v_cache;
+    /* bytes between token rows, between blocks, between the heads of a token */
+    int64_t token_stride, block_stride, head_stride;
     int32_t num_kv_heads, head_dim, block_size;
     float scale;
 } Cache;
 
+/* the fp32 scale that ends an 8-bit row */
+static inline float row_scale(const char *row, int32_t head_dim) {
+    float s;
+    memcpy(&s, row + head_dim, sizeof(s));
+    return s;
+}
+
+/* 8 values of a row from element x: floats, or int8 codes (before their scale) */
+static inline v8 load_row8(const char *row, int32_t x, const int quant) {
+    return quant ? load8_i8((const signed char *)row + x) : load8((const float *)row + x);
+}
+
 /* The same row of the next block of the span (`next`: that block, or NULL past the span):
  * its blocks are scattered, so the hardware prefetcher cannot know where the next one
  * lies; asking a block ahead hides the latency. */
-static inline void prefetch_row(const float *next, const Cache *c, int64_t offset) {
+static inline void prefetch_row(const char *next, const Cache *c, int64_t offset) {
     if (next == 0) return;
-    const float *row = next + offset * c->token_stride;
-    for (int64_t x = 0; x < c->token_stride; x += 16) __builtin_prefetch(row + x);
+    const char *row = next + offset * c->token_stride;
+    for (int64_t x = 0; x < c->token_stride; x += 64) __builtin_prefetch(row + x);
 }
 
 /* The block of the span after the one that starts at position b0, or NULL */
-static inline const float *next_block(const float *cache, const Cache *c, const int32_t *table, int64_t b0,
-                                      int64_t end) {
+static inline const char *next_block(const char *cache, const Cache *c, const int32_t *table, int64_t b0,
+                                     int64_t end) {
     const int64_t ahead = (b0 / c->block_size + PREFETCH_BLOCKS) * c->block_size;
     return ahead < end ? cache + table[ahead / c->block_size] * c->block_stride : 0;
 }
@@ -128,7 +144,7 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                                                               const int32_t *table, int32_t start,
                                                               int32_t end, float *scores, float *acc,
                                                               float *max_out, float *sum_out,
-                                                              const int group) {
+                                                              const int group, const int quant) {
     const int64_t n = end - start;
     const int32_t hkv = c->num_kv_heads, d = c->head_dim, bs = c->block_size;
     const int32_t num_q_heads = hkv * group;
@@ -136,21 +152,22 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
      * a block at a time (one division per block, none per row) */
     for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
         const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
-        const float *block = c->k_cache + table[b0 / bs] * c->block_stride;
-        const float *next = next_block(c->k_cache, c, table, b0, end);
+        const char *block = c->k_cache + table[b0 / bs] * c->block_stride;
+        const char *next = next_block(c->k_cache, c, table, b0, end);
         for (int64_t t = b0; t < b1; t++) {
             const int64_t i = t - start;
-            const float *row = block + (t - first) * c->token_stride;
+            const char *row = block + (t - first) * c->token_stride;
             prefetch_row(next, c, t - first);
             for (int32_t h = 0; h < hkv; h++) {
-                const float *kp = row + (int64_t)h * d;
+                const char *kp = row + h * c->head_stride;
                 const float *qh = qs + (int64_t)h * group * d;
                 v8 a[8] = {0};
                 for (int32_t x = 0; x < d; x += 8) {
-                    const v8 kv = load8(kp + x);
+                    const v8 kv = load_row8(kp, x, quant);
                     for (int g = 0; g < group; g++) a[g] += load8(qh + g * d + x) * kv;
                 }
-                for (int g = 0; g < group; g++) scores[(h * group + g) * n + i] = sum8(a[g]) * c->scale;
+                const float s = quant ? c->scale * row_scale(kp, d) : c->scale;
+                for (int g = 0; g < group; g++) scores[(h * group + g) * n + i] = sum8(a[g]) * s;
             }
         }
     }
@@ -160,8 +177,8 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
      * slice of SLICE vectors at a time with the accumulators of its query heads in registers */
     for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
         const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
-        const float *block = c->v_cache + table[b0 / bs] * c->block_stride;
-        const float *next = next_block(c->v_cache, c, table, b0, end);
+        const char *block = c->v_cache + table[b0 / bs] * c->block_stride;
+        const char *next = next_block(c->v_cache, c, table, b0, end);
         for (int64_t t = b0; t < b1; t++) prefetch_row(next, c, t - first);
         for (int32_t h = 0; h < hkv; h++) {
             for (int32_t x0 = 0; x0 < d; x0 += 8 * SLICE) {
@@ -170,11 +187,12 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                     for (int s = 0; s < SLICE; s++)
                         a[g][s] = b0 == start ? (v8){0} : load8(acc + (h * group + g) * d + x0 + 8 * s);
                 for (int64_t t = b0; t < b1; t++) {
-                    const float *vp = block + (t - first) * c->token_stride + (int64_t)h * d + x0;
+                    const char *vrow = block + (t - first) * c->token_stride + h * c->head_stride;
+                    const float vs = quant ? row_scale(vrow, d) : 1.0f;
                     v8 vv[SLICE];
-                    for (int s = 0; s < SLICE; s++) vv[s] = load8(vp + 8 * s);
+                    for (int s = 0; s < SLICE; s++) vv[s] = load_row8(vrow, x0 + 8 * s, quant);
                     for (int g = 0; g < group; g++) {
-                        const float p = scores[(h * group + g) * n + (t - start)];
+                        const float p = scores[(h * group + g) * n + (t - start)] * vs;
                         for (int s = 0; s < SLICE; s++) a[g][s] += p * vv[s];
                     }
                 }
@@ -185,31 +203,66 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
     }
 }
 
+/* one instantiation per (group, quant): both are constants inside attend_span */
 static void attend_item(const Cache *c, const float *qs, const int32_t *table, const Item *it, float *scores,
-                        float *acc, float *max_out, float *sum_out, int group) {
-#define SPAN(G) attend_span(c, qs, table, it->start, it->end, scores, acc, max_out, sum_out, G)
-    switch (group) {
-        case 1: SPAN(1); break;
-        case 2: SPAN(2); break;
-        case 3: SPAN(3); break;
-        case 4: SPAN(4); break;
-        case 5: SPAN(5); break;
-        case 6: SPAN(6); break;
-        case 7: SPAN(7); break;
-        default: SPAN(8); break;
+                        float *acc, float *max_out, float *sum_out, int group, int quant) {
+#define SPAN(G, Q) attend_span(c, qs, table, it->start, it->end, scores, acc, max_out, sum_out, G, Q)
+#define GROUPS(Q)                 \
+    switch (group) {              \
+        case 1: SPAN(1, Q); break; \
+        case 2: SPAN(2, Q); break; \
+        case 3: SPAN(3, Q); break; \
+        case 4: SPAN(4, Q); break; \
+        case 5: SPAN(5, Q); break; \
+        case 6: SPAN(6, Q); break; \
+        case 7: SPAN(7, Q); break; \
+        default: SPAN(8, Q); break; \
     }
+    if (quant) {
+        GROUPS(1)
+    } else {
+        GROUPS(0)
+    }
+#undef GROUPS
 #undef SPAN
 }
+
+static void paged_decode(const float *q, int64_t q_stride, float *out, int64_t out_stride, const Cache cache,
+                         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                         const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
+                         int32_t num_threads, int quant);
 
 void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride,
                             const float *k_cache, const float *v_cache, const int32_t *block_tables,
                             int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
                             int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
                             int32_t block_size, float scale, int32_t window, int32_t num_threads) {
-    const int group = num_q_heads / num_kv_heads;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const Cache cache = {k_cache, v_cache, token_stride, block_size * token_stride,
+    const int64_t row = (int64_t)head_dim * sizeof(float), token = num_kv_heads * row;
+    const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
                          num_kv_heads, head_dim, block_size, scale};
+    paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
+                 num_q_heads, window, num_threads, 0);
+}
+
+/* the same over an 8-bit cache: rows of head_dim int8 codes and their fp32 scale */
+void kvray_paged_decode_i8(const float *q, int64_t q_stride, float *out, int64_t out_stride,
+                           const signed char *k_cache, const signed char *v_cache, const int32_t *block_tables,
+                           int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
+                           int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                           int32_t block_size, float scale, int32_t window, int32_t num_threads) {
+    const int64_t row = head_dim + (int64_t)sizeof(float), token = num_kv_heads * row;
+    const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
+                         num_kv_heads, head_dim, block_size, scale};
+    paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
+                 num_q_heads, window, num_threads, 1);
+}
+
+static void paged_decode(const float *q, int64_t q_stride, float *out, int64_t out_stride, const Cache cache,
+                         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                         const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
+                         int32_t num_threads, int quant) {
+    const int32_t num_kv_heads = cache.num_kv_heads, head_dim = cache.head_dim, block_size = cache.block_size;
+    const int group = num_q_heads / num_kv_heads;
     /* spans: whole blocks, at most SPAN_TOKENS positions (the first may start mid-block), and
      * short enough that a step of few sequences still gives every thread two items */
     int64_t attended = 0;
@@ -252,7 +305,7 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
             const float *qs = q + rows[it->seq] * q_stride;
             float *base = it->part < 0 ? own : parts + it->part * per_part;
             float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
-            attend_item(&cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group);
+            attend_item(&cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group, quant);
             if (it->part < 0) {
                 float *os = out + rows[it->seq] * out_stride;
                 for (int32_t qh = 0; qh < num_q_heads; qh++) {

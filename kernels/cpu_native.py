@@ -100,42 +100,37 @@ def library() -> ctypes.CDLL | None:
         (lib.kvray_linear_f32, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]),
     ):
         fn.restype, fn.argtypes = None, args
-    fn = lib.kvray_paged_decode_f32
-    fn.restype = None
-    fn.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        ctypes.c_float,
-        i32,
-        i32,
-    ]
+    # q, its stride, out, its stride, k and v caches, block tables, their stride, seq_lens,
+    # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, threads
+    decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]
+    for fn in (lib.kvray_paged_decode_f32, lib.kvray_paged_decode_i8):
+        fn.restype, fn.argtypes = None, decode_args
     return lib
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `paged_decode` takes these: fp32, head_dim a multiple of 32, at most 8
-    query heads per KV head, unit-stride heads, a contiguous cache."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
+    """Whether `paged_decode` takes these: fp32 q, head_dim a multiple of 32, at most 8
+    query heads per KV head, unit-stride heads; a contiguous fp32 cache, or int8 codes
+    whose rows end in their scales (kv_quant.split_cache's views)."""
     head_dim, num_kv_heads = k_cache.shape[-1], k_cache.shape[-2]
-    return (
-        q.dtype == k_cache.dtype == torch.float32
+    shape_ok = (
+        q.dtype == torch.float32
         and head_dim % 32 == 0
         and q.shape[1] % num_kv_heads == 0
         and q.shape[1] // num_kv_heads <= 8
         and q.stride()[1:] == (head_dim, 1)
-        and k_cache.is_contiguous()
+    )
+    if k_scale is None:
+        return shape_ok and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+    return shape_ok and k_cache.dtype == torch.int8 and _rows_end_in_scales(k_cache, k_scale)
+
+
+def _rows_end_in_scales(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    num_blocks, block_size, num_kv_heads, head_dim = codes.shape
+    row = head_dim + 4
+    return (
+        codes.stride() == (block_size * num_kv_heads * row, num_kv_heads * row, row, 1)
+        and scales.data_ptr() == codes.data_ptr() + head_dim
     )
 
 
@@ -149,19 +144,27 @@ def paged_decode(
     rows: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[rows] = attention of q[rows] (one token per sequence) over each sequence's
     paged context. q/out: [T, Hq, D] fp32 with unit-stride heads; caches
-    [num_blocks, block_size, Hkv, D] fp32 contiguous; block_tables int32 [S, nb]
-    contiguous; seq_lens int32 [S]; rows int64 [S]. Call only when `library()` is not None
-    and `supports(q, k_cache)`."""
+    [num_blocks, block_size, Hkv, D] fp32 contiguous, or int8 codes with their scales
+    (k_scale/v_scale, fp32 [num_blocks, block_size, Hkv]: the views of kv_quant.split_cache);
+    block_tables int32 [S, nb] contiguous; seq_lens int32 [S]; rows int64 [S]. Call only
+    when `library()` is not None and `supports(q, k_cache, k_scale)`."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_q_heads = q.shape[1]
-    assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-    assert q.stride()[1:] == out.stride()[1:] == (head_dim, 1)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+    assert q.dtype == out.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+    assert q.stride()[1:] == out.stride()[1:] == (head_dim, 1) and block_tables.is_contiguous()
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
-    library().kvray_paged_decode_f32(
+    if k_scale is None:
+        assert k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+        kernel = library().kvray_paged_decode_f32
+    else:
+        assert _rows_end_in_scales(k_cache, k_scale) and _rows_end_in_scales(v_cache, v_scale)
+        kernel = library().kvray_paged_decode_i8
+    kernel(
         q.data_ptr(),
         q.stride(0),
         out.data_ptr(),

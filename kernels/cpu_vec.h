@@ -14,6 +14,15 @@ static inline v8 load8(const float *p) {
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof(v)); }
 
+/* 8 int8 codes as floats (an 8-bit KV cache's values before their scale) */
+typedef signed char v8c __attribute__((vector_size(8)));
+
+static inline v8 load8_i8(const signed char *p) {
+    v8c v;
+    memcpy(&v, p, sizeof(v));
+    return __builtin_convertvector(v, v8);
+}
+
 static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

@@ -1,5 +1,8 @@
 """Plain torch reference of the paged-attention kernels, same signatures as the Triton ones.
 
+An 8-bit cache comes with its scales (`k_scale`, `v_scale`: one per token and KV head,
+see kv_quant.py); the reference quantizes on write and dequantizes on read.
+
 Runs on any device and is written for clarity: one sequence at a time, the context
 gathered through the block table, a dense causal mask. The engine's CPU path uses the
 batched `TorchBackend` (torch_backend.py), which computes the same thing faster.
@@ -9,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvray.kernels.kv_quant import quant_of, quantize
+
 
 def reshape_and_cache_ref(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -16,12 +21,21 @@ def reshape_and_cache_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [T], -1 = skip
+    k_scale: torch.Tensor | None = None,  # fp32 [num_blocks, block_size, Hkv]: 8-bit caches
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    pairs = ((key, k_cache, k_scale), (value, v_cache, v_scale))
+    for x, cache, scales in pairs:
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        if scales is None:
+            flat[slots] = x[keep].to(cache.dtype)
+        else:
+            codes, row_scales = quantize(x[keep], quant_of(cache))
+            flat[slots] = codes
+            scales.view(-1, num_kv_heads)[slots] = row_scales
 
 
 def context_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
@@ -52,6 +66,8 @@ def unified_attention_ref(
     block_tables: torch.Tensor,  # int32 [S, max_blocks]
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,  # fp32 [num_blocks, block_size, Hkv]: 8-bit caches
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -62,6 +78,9 @@ def unified_attention_ref(
             continue
         k = gather_context(k_cache, block_tables[i], seq_len).float()
         v = gather_context(v_cache, block_tables[i], seq_len).float()
+        if k_scale is not None:
+            k = k * gather_context(k_scale[..., None], block_tables[i], seq_len)
+            v = v * gather_context(v_scale[..., None], block_tables[i], seq_len)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qi = q[lo:hi].float().transpose(0, 1)  # [Hq, q_len, D]

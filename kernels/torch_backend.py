@@ -3,8 +3,9 @@
 Same cache layout and semantics as the Triton kernels, organised for few large torch
 calls per layer:
 
-* decode rows (q_len == 1) go to the native CPU kernel (kernels/cpu_decode.c: reads K/V
-  straight from their blocks, one pass) where it is built and the cache is fp32; else
+* decode rows (q_len == 1, and each row of a short query such as a decode verifying
+  drafts) go to the native CPU kernel (kernels/cpu_decode.c: reads K/V straight from
+  their blocks, one pass) where it is built and the cache is fp32; else
   through batched matmuls, sequences of similar context length grouped together so
   little time goes to padding;
 * a prefill chunk with no cached prefix attends to its own fresh K/V (no cache read);
@@ -25,12 +26,23 @@ import torch.nn.functional as F
 
 from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata, register_backend
+from kvray.kernels.kv_quant import dequantize, quant_of, quantize
 from kvray.kernels.reference import context_mask
 
 # A decode group costs a fixed number of calls per layer; splitting is worth it only when
 # it saves more padded context positions than this (measured on a 2-core CPU).
 _GROUP_COST_TOKENS = 1024
 _MAX_DECODE_GROUPS = 4
+# Queries of at most this many tokens attend a row at a time, like decodes (a decode
+# verifying drafts is 1 + k tokens); longer ones take the prefill path.
+_SHORT_QUERY = 8
+
+
+@dataclass(frozen=True)
+class _DecodeRow:
+    row: int  # its q row in the step
+    seq: int  # its sequence (block table)
+    seq_len: int  # the context it sees, its own position included
 
 
 @dataclass
@@ -107,19 +119,28 @@ class TorchBackend(AttentionBackend):
         device = meta.slot_mapping.device
         block_tables = meta.block_tables.cpu()
         starts = meta.cu_seqlens_q.tolist()
-        decode_seqs = sorted(
-            (i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens_host[i]
+        # Short queries (decodes, and decodes verifying drafts) run a row at a time: row j
+        # of a q_len-token query sees the context up to and including its own position,
+        # which is causal attention over the cache (this step's K/V are in it already).
+        decode_rows = sorted(
+            (
+                _DecodeRow(starts[i] + j, i, meta.seq_lens_host[i] - n + 1 + j)
+                for i, n in enumerate(meta.query_lens)
+                if n <= _SHORT_QUERY
+                for j in range(n)
+            ),
+            key=lambda r: r.seq_len,
         )
         native = None
-        if decode_seqs and device.type == "cpu" and cpu_native.library() is not None:
+        if decode_rows and device.type == "cpu" and cpu_native.library() is not None:
             native = _NativeDecode(
-                rows=torch.tensor([starts[i] for i in decode_seqs]),
-                block_tables=block_tables[decode_seqs].contiguous(),
-                seq_lens=torch.tensor([meta.seq_lens_host[i] for i in decode_seqs], dtype=torch.int32),
+                rows=torch.tensor([r.row for r in decode_rows]),
+                block_tables=block_tables[[r.seq for r in decode_rows]].contiguous(),
+                seq_lens=torch.tensor([r.seq_len for r in decode_rows], dtype=torch.int32),
             )
         prefills = []
         for i, q_len in enumerate(meta.query_lens):
-            if q_len <= 1:
+            if q_len <= _SHORT_QUERY:
                 continue
             seq_len = meta.seq_lens_host[i]
             slots = mask = None
@@ -132,52 +153,106 @@ class TorchBackend(AttentionBackend):
 
         def make_groups() -> list[_DecodeGroup]:
             groups, begin = [], 0
-            lengths = [meta.seq_lens_host[i] for i in decode_seqs]
+            lengths = [r.seq_len for r in decode_rows]
             for end in split_by_length(lengths, _GROUP_COST_TOKENS, _MAX_DECODE_GROUPS) if lengths else []:
-                members = decode_seqs[begin:end]
-                groups.append(self._decode_group(members, starts, meta, block_tables, device))
+                groups.append(self._decode_group(decode_rows[begin:end], meta, block_tables, device))
                 begin = end
             return groups
 
         meta.plan = _Plan(prefills, native, make_groups)
 
     @staticmethod
-    def _decode_group(members, starts, meta, block_tables, device) -> _DecodeGroup:
-        lens = torch.tensor([meta.seq_lens_host[i] for i in members])
+    def _decode_group(members: list[_DecodeRow], meta, block_tables, device) -> _DecodeGroup:
+        lens = torch.tensor([r.seq_len for r in members])
         num_blocks = (int(lens.max()) + meta.block_size - 1) // meta.block_size
         pos = torch.arange(num_blocks * meta.block_size)
         bias = torch.zeros(len(members), 1, len(pos))
         bias.masked_fill_(pos[None, None, :] >= lens[:, None, None], float("-inf"))
         return _DecodeGroup(
-            rows=torch.tensor([starts[i] for i in members], device=device),
-            blocks=block_tables[members][:, :num_blocks].reshape(-1).long().to(device),
+            rows=torch.tensor([r.row for r in members], device=device),
+            blocks=block_tables[[r.seq for r in members]][:, :num_blocks].reshape(-1).long().to(device),
             bias=bias.to(device),
             lens=lens.view(-1, 1, 1).to(device),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None):
+        cache = _Cache(k_cache, v_cache, k_scale, v_scale)
+        k, v = cache.write(k, v, meta.slot_mapping)  # what attention sees of them (dequantized)
         plan: _Plan = meta.plan
         out = torch.empty_like(q)
-        if plan.native is not None and cpu_native.supports(q, k_cache):
+        if plan.native is not None and cpu_native.supports(q, k_cache, k_scale):
             n = plan.native
             cpu_native.paged_decode(
-                q, out, k_cache, v_cache, n.block_tables, n.seq_lens, n.rows, scale, sliding_window
+                q,
+                out,
+                k_cache,
+                v_cache,
+                n.block_tables,
+                n.seq_lens,
+                n.rows,
+                scale,
+                sliding_window,
+                k_scale,
+                v_scale,
             )
         else:
             for g in plan.decode_groups():
-                og = _decode_attention(q.index_select(0, g.rows), k_cache, v_cache, g, scale, sliding_window)
+                og = _decode_attention(q.index_select(0, g.rows), cache, g, scale, sliding_window)
                 out.index_copy_(0, g.rows, og)
         for p in plan.prefills:
-            out[p.lo : p.hi] = _prefill_attention(q, k, v, flat_k, flat_v, p, scale, sliding_window)
+            out[p.lo : p.hi] = _prefill_attention(q, k, v, cache, p, scale, sliding_window)
         return out
 
 
-def _decode_attention(q, k_cache, v_cache, g: _DecodeGroup, scale: float, sliding_window):
+@dataclass
+class _Cache:
+    """One layer's paged K/V (and an 8-bit cache's scales), read and written by slot or block."""
+
+    k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # fp32 [num_blocks, block_size, Hkv]
+    v_scale: torch.Tensor | None
+
+    def write(
+        self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K/V at their slots; returns them as the cache will give them back."""
+        if self.k_scale is None:
+            for x, cache in ((k, self.k), (v, self.v)):
+                _flat(cache).index_copy_(0, slots, x.to(cache.dtype))
+            return k, v
+        quant = quant_of(self.k)
+        seen = []
+        for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            codes, row_scales = quantize(x, quant)
+            _flat(cache).index_copy_(0, slots, codes)
+            scales.view(-1, scales.shape[-1]).index_copy_(0, slots, row_scales)
+            seen.append(dequantize(codes, row_scales, x.dtype))
+        return seen[0], seen[1]
+
+    def blocks(self, which: str, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K ("k") or V ("v") of whole blocks [n, block_size, Hkv, D], dequantized."""
+        x = getattr(self, which).index_select(0, index)
+        scales = getattr(self, f"{which}_scale")
+        return x if scales is None else dequantize(x, scales.index_select(0, index), dtype)
+
+    def slots(self, which: str, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K or V at cache slots [n, Hkv, D], dequantized."""
+        x = _flat(getattr(self, which)).index_select(0, index)
+        scales = getattr(self, f"{which}_scale")
+        return (
+            x
+            if scales is None
+            else dequantize(x, scales.view(-1, scales.shape[-1]).index_select(0, index), dtype)
+        )
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks * block_size, Hkv, D]: the cache by slot."""
+    return cache.view(-1, cache.shape[2], cache.shape[3])
+
+
+def _decode_attention(q, cache: _Cache, g: _DecodeGroup, scale: float, sliding_window):
     """One query token per sequence: q [Sg, Hq, D] -> [Sg, Hq, D].
 
     K/V are gathered a whole block at a time into [Sg, L, Hkv*D] (their natural layout,
@@ -188,10 +263,10 @@ def _decode_attention(q, k_cache, v_cache, g: _DecodeGroup, scale: float, slidin
     what a decode step on a CPU is bound by.
     """
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = cache.k.shape[2]
     group = num_q_heads // num_kv_heads
-    keys = k_cache.index_select(0, g.blocks).view(num_seqs, -1, num_kv_heads * head_dim)
-    values = v_cache.index_select(0, g.blocks).view(num_seqs, -1, num_kv_heads * head_dim)
+    keys = cache.blocks("k", g.blocks, q.dtype).view(num_seqs, -1, num_kv_heads * head_dim)
+    values = cache.blocks("v", g.blocks, q.dtype).view(num_seqs, -1, num_kv_heads * head_dim)
     bias = g.bias_as(q.dtype)
     if sliding_window is not None:
         pos = torch.arange(bias.shape[-1], device=bias.device)
@@ -207,13 +282,14 @@ def _decode_attention(q, k_cache, v_cache, g: _DecodeGroup, scale: float, slidin
     return o.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, head_dim)
 
 
-def _prefill_attention(q, k, v, flat_k, flat_v, p: _PrefillPlan, scale, sliding_window):
-    """One sequence's chunk: q rows p.lo:p.hi -> [q_len, Hq, D]."""
+def _prefill_attention(q, k, v, cache: _Cache, p: _PrefillPlan, scale, sliding_window):
+    """One sequence's chunk: q rows p.lo:p.hi -> [q_len, Hq, D]; k, v: the step's new
+    K/V as the cache holds them."""
     q_len = p.hi - p.lo
     if p.slots is None:
         keys, values = k[p.lo : p.hi], v[p.lo : p.hi]
     else:
-        keys, values = flat_k.index_select(0, p.slots), flat_v.index_select(0, p.slots)
+        keys, values = cache.slots("k", p.slots, q.dtype), cache.slots("v", p.slots, q.dtype)
     mask = p.mask
     if sliding_window is not None:
         mask = context_mask(q_len, keys.shape[0], sliding_window, q.device)

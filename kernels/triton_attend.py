@@ -8,7 +8,9 @@ TILE_N, looking every position up in the sequence's block table::
     tiles      |<- TILE_N ->|<- TILE_N ->| ... |<- TILE_N ->|
     position p lives at k_cache[block_table[p // BLOCK_SIZE], p % BLOCK_SIZE, kv_head]
 
-so any block size works and a tile may straddle blocks. The softmax is online, in base 2
+so any block size works and a tile may straddle blocks. An 8-bit cache (QUANT) is read
+as codes and dequantized in the tile: each position's row times its scale (kv_quant.py).
+The softmax is online, in base 2
 (`qk_scale` already carries log2(e)): the caller owns the running state (acc, m_i, l_i)
 and turns it into an output (the plain kernel) or a partial output plus its log-sum-exp
 (the split kernel). It lives in its own module so both kernel modules can import it.
@@ -42,11 +44,17 @@ def attend_tiles(
     stride_cb,
     stride_co,
     stride_ch,  # cache strides (block, offset, head)
+    k_scale_ptr,
+    v_scale_ptr,  # fp32 [num_blocks, block_size, Hkv] (QUANT only)
+    stride_sb,
+    stride_so,
+    stride_sh,  # scale strides (block, offset, head)
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,  # 8-bit codes: values = codes * their row's scale
 ):
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
@@ -60,6 +68,9 @@ def attend_tiles(
             mask=dim_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
+        if QUANT:
+            at = block * stride_sb + (k_pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+            k_t = k_t.to(tl.float32) * tl.load(k_scale_ptr + at, mask=k_ok, other=0.0)[None, :]
         s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -75,6 +86,9 @@ def attend_tiles(
             mask=k_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
+        if QUANT:
+            at = block * stride_sb + (k_pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=k_ok, other=0.0)[:, None]
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -73,6 +73,11 @@ def _unified_attention_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_so,
+    stride_sh,
     stride_bt,  # cache (block, offset, head); table row
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -82,6 +87,7 @@ def _unified_attention_kernel(
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -130,11 +136,17 @@ def _unified_attention_kernel(
         stride_cb,
         stride_co,
         stride_ch,
+        k_scale_ptr,
+        v_scale_ptr,
+        stride_sb,
+        stride_so,
+        stride_sh,
         BLOCK_SIZE,
         TILE_N,
         BLOCK_D,
         HAS_WINDOW,
         DOT_PRECISION,
+        QUANT,
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -154,6 +166,8 @@ def unified_attention(
     block_tables: torch.Tensor,  # int32 [S, max_blocks]
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,  # fp32 [num_blocks, block_size, Hkv]: 8-bit caches
+    v_scale: torch.Tensor | None = None,
     *,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
@@ -169,6 +183,8 @@ def unified_attention(
     force_split: None applies `choose_num_splits`; True takes the split-KV path (every
         q_len must be <= 1); False always takes the plain path.
     num_splits: the split count when the split path runs (None: the rule's, >= 2).
+    k_scale / v_scale: an 8-bit cache's scales (int8 or float8_e4m3fn codes in k_cache /
+        v_cache, kv_quant.py), dequantized as the tiles load.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -186,6 +202,15 @@ def unified_attention(
         raise InvalidArgumentError("sliding_window", sliding_window, "None or >= 1")
     if num_splits is not None and num_splits < 1:
         raise InvalidArgumentError("num_splits", num_splits, "None or >= 1")
+    quant = k_scale is not None
+    if quant and (
+        v_scale is None or k_scale.shape != k_cache.shape[:3] or v_scale.stride() != k_scale.stride()
+    ):
+        raise InvalidArgumentError(
+            "k_scale",
+            None if k_scale is None else tuple(k_scale.shape),
+            f"{tuple(k_cache.shape[:3])} with a v_scale of the same strides",
+        )
     if num_tokens == 0 or num_seqs == 0:
         return
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -210,6 +235,11 @@ def unified_attention(
         stride_cb=k_cache.stride(0),
         stride_co=k_cache.stride(1),
         stride_ch=k_cache.stride(2),
+        k_scale_ptr=k_scale if quant else k_cache,  # not read without QUANT
+        v_scale_ptr=v_scale if quant else v_cache,
+        stride_sb=k_scale.stride(0) if quant else 0,
+        stride_so=k_scale.stride(1) if quant else 0,
+        stride_sh=k_scale.stride(2) if quant else 0,
         stride_bt=block_tables.stride(0),
         GROUP=group,
         BLOCK_SIZE=k_cache.shape[1],
@@ -217,6 +247,7 @@ def unified_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # no TF32 for fp32
+        QUANT=quant,
     )
 
     # A batch with more q rows than sequences has a prefill chunk: no need to ask the device.

@@ -43,8 +43,10 @@ class TritonBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: torch.Tensor | None = None,  # fp32 [num_blocks, block_size, Hkv]: 8-bit caches
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = meta.plan if isinstance(meta.plan, _TritonPlan) else None
         out = torch.empty_like(q)
         unified_attention(
@@ -57,6 +59,8 @@ class TritonBackend(AttentionBackend):
             meta.block_tables,
             scale,
             sliding_window,
+            k_scale,
+            v_scale,
             max_seqlen_q=plan.max_seqlen_q if plan else None,
             max_seqlen_k=plan.max_seqlen_k if plan else None,
         )

@@ -48,6 +48,11 @@ def _split_decode_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_so,
+    stride_sh,
     stride_bt,
     stride_ps,
     stride_ph,
@@ -61,6 +66,7 @@ def _split_decode_kernel(
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,11 +113,17 @@ def _split_decode_kernel(
         stride_cb,
         stride_co,
         stride_ch,
+        k_scale_ptr,
+        v_scale_ptr,
+        stride_sb,
+        stride_so,
+        stride_sh,
         BLOCK_SIZE,
         TILE_N,
         BLOCK_D,
         HAS_WINDOW,
         DOT_PRECISION,
+        QUANT,
     )
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)

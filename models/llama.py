@@ -16,7 +16,7 @@ from torch import nn
 
 from kvray.errors import InvalidArgumentError
 from kvray.kernels import cpu_native
-from kvray.kernels.backend import AttentionBackend, AttentionMetadata
+from kvray.kernels.backend import AttentionBackend, AttentionMetadata, LayerKV
 from kvray.models.cpu_linear import linear, pack_weight, panels_for
 from kvray.models.layers import (
     PackedLinear,
@@ -71,7 +71,18 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        o = backend.forward(
+            q,
+            k,
+            v,
+            kv_cache.k,
+            kv_cache.v,
+            meta,
+            self.scale,
+            self.sliding_window,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
+        )
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -103,7 +114,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in, hidden states out; `kv_caches[i]` is local layer i's (k_cache, v_cache).
+    """Token ids in, hidden states out; `kv_caches[i]` is local layer i's LayerKV.
 
     Under pipeline parallelism this module holds the stage's layers only (`layer_range`
     of the full model, still named `layers.0..`): the first stage embeds the tokens, a
@@ -145,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         backend: AttentionBackend,
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage

@@ -210,3 +210,26 @@ class _Collector:
                 s.kv_transfer_seconds,
             )
         yield family
+        yield from self._spec_decode(labels)
+
+    def _spec_decode(self, labels: list[str]):
+        """vLLM's spec_decode counters, per worker (zero where speculation is off)."""
+        counters = {
+            "spec_decode_num_drafts": ("Drafts verified (requests x steps with proposals).", "num_drafts"),
+            "spec_decode_num_draft_tokens": ("Tokens proposed.", "num_draft_tokens"),
+            "spec_decode_num_accepted_tokens": ("Proposed tokens accepted.", "num_accepted_tokens"),
+        }
+        for name, (doc, attr) in counters.items():
+            family = CounterMetricFamily(f"kvray:{name}", doc, labels=labels)
+            for s in self.workers:
+                family.add_metric([self.model_name, s.role, s.worker_id], getattr(s.spec_decode, attr))
+            yield family
+        family = CounterMetricFamily(
+            "kvray:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the draft (0 first).",
+            labels=[*labels, "position"],
+        )
+        for s in self.workers:
+            for pos, n in enumerate(s.spec_decode.accepted_per_pos):
+                family.add_metric([self.model_name, s.role, s.worker_id, str(pos)], n)
+        yield family

@@ -56,3 +56,30 @@ def attention_f64(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sca
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, values)
     return out
+
+
+def quantize_batch(batch: dict, name: str = "int8") -> dict:
+    """The batch with its caches made 8-bit as the engine holds them (kv_quant.py): int8
+    rows of codes and scale, seen through k_cache/v_cache (codes) and k_scale/v_scale."""
+    from kvray.kernels.kv_quant import QUANTS, quantize, split_cache
+
+    quant, out = QUANTS[name], dict(batch)
+    for which in ("k", "v"):
+        values = batch[f"{which}_cache"]
+        storage = torch.zeros(
+            (*values.shape[:-1], values.shape[-1] + 4), dtype=torch.int8, device=values.device
+        )
+        codes, scales = split_cache(storage, quant)
+        codes[:], scales[:] = quantize(values, quant)
+        out[f"{which}_cache"], out[f"{which}_scale"] = codes, scales
+    return out
+
+
+def dequantized(batch: dict) -> dict:
+    """The batch's caches as values (for the float64 reference), scales dropped."""
+    from kvray.kernels.kv_quant import dequantize
+
+    out = {k: v for k, v in batch.items() if not k.endswith("_scale")}
+    for which in ("k", "v"):
+        out[f"{which}_cache"] = dequantize(batch[f"{which}_cache"], batch[f"{which}_scale"])
+    return out

@@ -165,6 +165,43 @@ def test_unequal_tensor_parallel_pools_reshard_heads(
         cluster.shutdown()
 
 
+def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens(local_ray, engine_args):
+    """Both pools hold int8 KV (codes and scales pulled as they are); the decode worker
+    verifies n-gram drafts. Its greedy tokens are those of an offline int8 engine.
+
+    One request at a time on both sides: an int8 cache turns float differences of the
+    last bit (another batch's matmul path) into a code one step off, which can flip a
+    near-tied token, so only runs of the same batches are compared."""
+    int8 = {**engine_args, "kv_cache_dtype": "int8"}
+    offline = LLM(**int8)
+    want = [offline.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    cluster = _deploy(int8, decode_engine=ngram)
+    try:
+        finals = [_run_all(cluster, [p])[0] for p in PROMPTS]
+        assert [f.outputs[0].token_ids for f in finals] == want
+        stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
+        assert stats["decode"].kv_transfer_bytes > 0 and stats["decode"].kv_recomputes == 0
+        assert stats["decode"].spec_decode.num_draft_tokens > 0
+        _assert_clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_pull_between_different_cache_dtypes_is_refused_and_recomputed(local_ray, engine_args):
+    """An int8 prefill pool and an fp32 decode pool: no pull garbles fp32 blocks with int8
+    bytes; the decode side recomputes every prompt in its own cache."""
+    cluster = _deploy(engine_args, prefill_engine={"kv_cache_dtype": "int8"})
+    try:
+        finals = _run_all(cluster, PROMPTS[:3])
+        assert all(f.finished and f.outputs[0].token_ids for f in finals)
+        stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
+        assert stats["decode"].kv_recomputes == 3 and stats["decode"].kv_transfer_bytes == 0
+        _assert_clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
 def test_expired_lease_recomputes_identically(local_ray, engine_args, offline):
     cluster = _deploy(engine_args, lease=1e-6)  # over before any decode side can pull
     try:

@@ -35,6 +35,8 @@ HEADERS = [
     "| batch | context | path | kvray ms | KV MB read | GB/s | of copy BW | SDPA ms | kvray/SDPA |",
     "## Prefill chunk attention",
     "| tokens | kvray ms | kvray TFLOP/s | SDPA ms | SDPA TFLOP/s | kvray/SDPA | matches SDPA |",
+    "## Decode attention over 8-bit KV caches",
+    "| kv_cache_dtype | ms | KV MB read | GB/s | time / model dtype's | rel err | result |",
     "## Engine decode throughput",
     "| model | batch | prompt | dtype | kvray decode tok/s | transformers decode tok/s | ratio |",
     "## Targets",
@@ -58,7 +60,8 @@ def test_cpu_smoke_writes_every_table(tmp_path):
         assert header in report, header
     assert "crashed" not in report and "FAIL" not in report and "| NO |" not in report
     assert "| split x" in report and "| plain |" in report  # both decode paths timed
-    assert report.count("| ok |") == 10  # 4 attention cases + cache writes, in 2 dtypes
+    # 4 attention cases + cache writes, in 2 dtypes; the model-dtype and int8 caches
+    assert report.count("| ok |") == 12
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

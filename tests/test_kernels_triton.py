@@ -24,10 +24,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from attention_cases import attention_f64, make_batch  # noqa: E402
+from attention_cases import attention_f64, dequantized, make_batch, quantize_batch  # noqa: E402
 
 from kvray.kernels import triton_attention, triton_cache, triton_decode_split  # noqa: E402
 from kvray.kernels.backend import AttentionMetadata, get_backend  # noqa: E402
+from kvray.kernels.kv_quant import QUANTS, quantize, split_cache  # noqa: E402
 from kvray.kernels.reference import unified_attention_ref  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -227,6 +228,77 @@ def test_reshape_and_cache_writes_exact_slots(num_kv_heads, head_dim, block_size
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
 
 
+@pytest.mark.parametrize("num_kv_heads,head_dim,dtype", [(3, 64, torch.float32), (2, 80, torch.float16)])
+def test_reshape_and_cache_int8_stores_codes_and_scales(num_kv_heads, head_dim, dtype):
+    """Against kv_quant.quantize (torch): scales equal, codes within one step (a GPU's
+    fp32 division may round a tie the other way); skipped slots untouched."""
+    gen = torch.Generator().manual_seed(2)
+    storage = torch.zeros(4, 16, num_kv_heads, head_dim + 4, dtype=torch.int8, device=DEVICE)
+    (kc, ks), (vc, vs) = split_cache(storage, QUANTS["int8"]), split_cache(storage.clone(), QUANTS["int8"])
+    key = (3 * torch.randn(9, num_kv_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    value = torch.randn(9, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    key[4] = 0.0  # an all-zero row: scale 0, codes 0
+    slots = torch.randperm(64, generator=gen)[:9]
+    slots[6] = -1
+    triton_cache.reshape_and_cache(key, value, kc, vc, slots.to(DEVICE), ks, vs)
+    for x, codes, scales in ((key, kc, ks), (value, vc, vs)):
+        want_codes, want_scales = quantize(x.cpu(), QUANTS["int8"])
+        for t, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            b, o = divmod(slot, 16)
+            torch.testing.assert_close(scales[b, o].cpu(), want_scales[t], rtol=1e-6, atol=0)
+            assert (codes[b, o].cpu().int() - want_codes[t].int()).abs().max() <= 1
+        written = {s for s in slots.tolist() if s >= 0}
+        untouched = [s for s in range(64) if s not in written]
+        assert codes.reshape(64, -1)[untouched].count_nonzero() == 0
+
+
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,force_split",
+    [(MIXED["q_lens"], MIXED["seq_lens"], False), ([1, 1, 1], [700, 33, 1200], True)],
+    ids=["mixed", "split-decode"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_cache_attention_matches_float64_of_its_dequantized_values(q_lens, seq_lens, force_split, dtype):
+    batch = quantize_batch(make_batch(q_lens, seq_lens, 2, 4, 64, 16, dtype, seed=4), "int8")
+    out = torch.full_like(batch["q"], float("nan"))
+    triton_attention.unified_attention(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        out,
+        batch["cu_seqlens_q"],
+        batch["seq_lens"],
+        batch["block_tables"],
+        0.125,
+        None,
+        batch["k_scale"],
+        batch["v_scale"],
+        force_split=force_split,
+    )
+    ref = attention_f64(**dequantized(batch), scale=0.125, window=None)
+    rel = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < REL_TOL[dtype], f"relative error {rel:.2e}"
+    expect = torch.full_like(out, float("nan"))  # the torch reference reads the same cache
+    unified_attention_ref(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        expect,
+        batch["cu_seqlens_q"],
+        batch["seq_lens"],
+        batch["block_tables"],
+        0.125,
+        None,
+        batch["k_scale"],
+        batch["v_scale"],
+    )
+    torch.testing.assert_close(
+        out.float(), expect.float(), atol=5e-3 if dtype == torch.float16 else 1e-4, rtol=0
+    )
+
+
 def test_tiny_case_matches_torch_reference():
     torch.manual_seed(0)
     kc, vc = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
@@ -298,19 +370,23 @@ import triton
 from triton.backends.compiler import GPUTarget
 from kvray.kernels import triton_attention as ta, triton_cache as tc, triton_decode_split as ts
 INT_PTRS = {"cu_seqlens_q_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
-            "slot_mapping_ptr": "*i64", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
-def compile_for_sm90(fn, dtype, consts):
+            "slot_mapping_ptr": "*i64", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+            "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+def compile_for_sm90(fn, dtype, consts, cache=None):
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
+        elif name in ("k_cache_ptr", "v_cache_ptr") and cache:
+            sig[name] = "*" + cache  # an 8-bit cache's codes
         elif name.endswith("_ptr"):
             sig[name] = INT_PTRS.get(name, "*" + dtype)
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "qmax") else "i32"
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-attn = dict(GROUP=4, BLOCK_SIZE=16, TILE_N=32, BLOCK_D=128, HAS_WINDOW=True, DOT_PRECISION="tf32")
+attn = dict(GROUP=4, BLOCK_SIZE=16, TILE_N=32, BLOCK_D=128, HAS_WINDOW=True, DOT_PRECISION="tf32",
+            QUANT=False)
 for block_m in (16, 64):
     consts = dict(attn, BLOCK_M=block_m, BLOCK_Q=block_m // 4)
     compile_for_sm90(ta._unified_attention_kernel, "fp16", consts)
@@ -318,7 +394,14 @@ compile_for_sm90(ta._unified_attention_kernel, "fp32",
                  dict(attn, GROUP=3, BLOCK_M=16, BLOCK_Q=5, HAS_WINDOW=False, DOT_PRECISION="ieee"))
 compile_for_sm90(ts._split_decode_kernel, "bf16", dict(attn, GROUP=8, BLOCK_M=16))
 compile_for_sm90(ts._split_reduce_kernel, "bf16", dict(BLOCK_SPLITS=8, BLOCK_D=128))
-compile_for_sm90(tc._reshape_and_cache_kernel, "fp16", dict(BLOCK_H=8, BLOCK_D=128))
+compile_for_sm90(tc._reshape_and_cache_kernel, "fp16", dict(BLOCK_H=8, BLOCK_D=128, QUANT=False, ROUND=False))
+# 8-bit caches: int8 and fp8 e4m3 codes with fp32 scales, dequantized in the tiles
+for codes, rounds in (("i8", True), ("fp8e4nv", False)):
+    quant = dict(attn, QUANT=True)
+    compile_for_sm90(ta._unified_attention_kernel, "bf16", dict(quant, BLOCK_M=64, BLOCK_Q=16), codes)
+    compile_for_sm90(ts._split_decode_kernel, "bf16", dict(quant, GROUP=8, BLOCK_M=16), codes)
+    cache = dict(BLOCK_H=8, BLOCK_D=128, QUANT=True, ROUND=rounds)
+    compile_for_sm90(tc._reshape_and_cache_kernel, "bf16", cache, codes)
 """
 
 
@@ -397,3 +480,26 @@ def test_gpu_decode(dtype, group, head_dim, block_size, window, force_split):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_reshape_and_cache(dtype):
     test_reshape_and_cache_writes_exact_slots(8, 128, 16, dtype, dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_gpu_8bit_cache_attention(name):
+    batch = quantize_batch(make_batch([1, 19, 1], [900, 50, 64], 2, 4, 128, 16, torch.bfloat16, seed=5), name)
+    out = torch.full_like(batch["q"], float("nan"))
+    triton_attention.unified_attention(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        out,
+        batch["cu_seqlens_q"],
+        batch["seq_lens"],
+        batch["block_tables"],
+        0.125,
+        None,
+        batch["k_scale"],
+        batch["v_scale"],
+    )
+    ref = attention_f64(**dequantized(batch), scale=0.125, window=None)
+    assert ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() < REL_TOL[torch.bfloat16]

@@ -27,7 +27,7 @@ def test_connector_decides_which_finished_requests_keep_their_blocks():
     held_blocks = kv.block_ids("held")
     sched.abort(["aborted"])
     assert kv.stats().used_blocks == 4
-    sched.update_from_output(out, {r.request_id: TOKEN for r in out.requests if r.request_id != "aborted"})
+    sched.update_from_output(out, {r.request_id: [TOKEN] for r in out.requests if r.request_id != "aborted"})
     # both finished at max_tokens=1; only the held one's two blocks stay used
     assert kv.stats().used_blocks == 2
     assert handoff.pins.begin_read("held") == held_blocks

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from kvray.engine import LLM, SamplingParams
-from kvray.kernels.backend import AttentionMetadata, get_backend
+from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
 from kvray.models.loader import build_model, load_config
 
 SMALL = dict(
@@ -70,7 +70,7 @@ def _kvray_logits(model, config, ids: list[int], prefill_chunks: list[int], bloc
     head_dim = config.hidden_size // config.num_attention_heads
     num_blocks = 64
     caches = [
-        (
+        LayerKV(
             torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim),
             torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim),
         )

@@ -58,7 +58,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None) -> tuple[Schedu
     tokens = tokens or {}
     out = sched.schedule()
     sampled = {
-        r.request_id: tokens.get(r.request_id, TOKEN) for i, r in enumerate(out.requests) if out.samples(i)
+        r.request_id: [tokens.get(r.request_id, TOKEN)] for i, r in enumerate(out.requests) if out.samples(i)
     }
     sched.update_from_output(out, sampled)
     return out, sampled
@@ -93,7 +93,7 @@ def test_chunked_prefill_4_4_2_samples_only_at_the_last_chunk():
         out = sched.schedule()
         chunks.append(scheduled(out))
         samples.append(out.samples(0))
-        sampled = {"a": TOKEN} if out.samples(0) else {}
+        sampled = {"a": [TOKEN]} if out.samples(0) else {}
         advanced = sched.update_from_output(out, sampled)
         assert advanced == ([req] if sampled else [])
     assert chunks == [[("a", 4)], [("a", 4)], [("a", 2)]]
@@ -102,7 +102,7 @@ def test_chunked_prefill_4_4_2_samples_only_at_the_last_chunk():
     assert req.output_token_ids == [TOKEN]
     # the step after the prompt is a 1-token decode, which samples
     out, sampled = step(sched)
-    assert scheduled(out) == [("a", 1)] and sampled == {"a": TOKEN}
+    assert scheduled(out) == [("a", 1)] and sampled == {"a": [TOKEN]}
     assert req.num_computed_tokens == 11
     # 12 tokens held so far -> 3 blocks
     assert sched.kv.block_ids("a") == [0, 1, 2]
@@ -115,13 +115,13 @@ def test_token_budget_splits_across_requests_and_chunks_the_last_prompt():
     out, sampled = step(sched)
     assert scheduled(out) == [("a", 3), ("b", 2)]  # c does not fit this step
     assert out.total_tokens == 5
-    assert sampled == {"a": TOKEN}  # b's prompt is not finished: it samples nothing
+    assert sampled == {"a": [TOKEN]}  # b's prompt is not finished: it samples nothing
     assert [r.request_id for r in sched.waiting] == ["c"]
 
     out, sampled = step(sched)
     # running first: a's decode (1) and b's last prompt token (1); c gets the 3 left
     assert scheduled(out) == [("a", 1), ("b", 1), ("c", 3)]
-    assert sampled == {"a": TOKEN, "b": TOKEN, "c": TOKEN}
+    assert sampled == {"a": [TOKEN], "b": [TOKEN], "c": [TOKEN]}
 
 
 def test_max_num_seqs_caps_running_requests():
@@ -364,7 +364,7 @@ def run_until_finished(sched: Scheduler, req: Request, tokens: list[int]) -> int
         out = sched.schedule()
         sampled = {}
         if out.samples(0):
-            sampled = {req.request_id: tokens[fed]}
+            sampled = {req.request_id: [tokens[fed]]}
             fed += 1
         sched.update_from_output(out, sampled)
     return fed
@@ -440,7 +440,7 @@ def test_update_returns_only_requests_that_got_a_token():
     out = sched.schedule()
     assert scheduled(out) == [("a", 2), ("b", 4)]
     assert [out.samples(0), out.samples(1)] == [True, False]
-    advanced = sched.update_from_output(out, {"a": 7})
+    advanced = sched.update_from_output(out, {"a": [7]})
     assert advanced == [a]
     assert (a.num_computed_tokens, b.num_computed_tokens) == (2, 4)
     assert b.output_token_ids == []

@@ -20,6 +20,7 @@ from kvray.engine.kv_cache_manager import KVCacheManager
 from kvray.engine.output_processor import OutputProcessor
 from kvray.engine.request import Request
 from kvray.engine.scheduler import Scheduler
+from kvray.engine.spec_decode import SpecDecodeStats
 from kvray.router import metrics
 from kvray.router.frontend import Frontend
 
@@ -48,7 +49,7 @@ def _clock(monkeypatch, *times: float) -> None:
 
 def _step(sched: Scheduler) -> None:
     out = sched.schedule()
-    sched.update_from_output(out, {r.request_id: 7 for i, r in enumerate(out.requests) if out.samples(i)})
+    sched.update_from_output(out, {r.request_id: [7] for i, r in enumerate(out.requests) if out.samples(i)})
 
 
 def test_first_schedule_ends_the_queue_time_and_a_preemption_keeps_it(monkeypatch):
@@ -220,3 +221,18 @@ def test_each_kv_pull_is_counted_once_in_the_workers_histogram():
     for le, count in (("0.005", 1), ("0.5", 3), ("+Inf", 4)):
         assert last[("kvray:kv_transfer_seconds_bucket", tuple(sorted((*labels, ("le", le)))))] == count
     assert not any(name == "kvray:kv_transfer_seconds_total" for name, _ in last)
+
+
+def test_spec_decode_counters_follow_vllms_names_per_worker():
+    spec = SpecDecodeStats()
+    spec.record(4, 3)
+    spec.record(4, 1)
+    stats = WorkerStats("decode-0", "decode", 0, 0, 0.0, 0, 0, 0, 0.0, spec_decode=spec)
+    labels = (("model_name", MODEL), ("role", "decode"), ("worker", "decode-0"))
+    got = _samples(metrics.render(MODEL, metrics.RequestStats().snapshot(), [stats]))
+    assert got[("kvray:spec_decode_num_drafts_total", labels)] == 2
+    assert got[("kvray:spec_decode_num_draft_tokens_total", labels)] == 8
+    assert got[("kvray:spec_decode_num_accepted_tokens_total", labels)] == 4
+    per_pos = "kvray:spec_decode_num_accepted_tokens_per_pos_total"
+    for pos, n in enumerate([2, 1, 1, 0]):
+        assert got[(per_pos, tuple(sorted((*labels, ("position", str(pos))))))] == n

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import attention_f64, make_batch
+from attention_cases import attention_f64, dequantized, make_batch, quantize_batch
 
 from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionMetadata, get_backend
+from kvray.kernels.kv_quant import dequantize
 
 REL_TOL = 2e-5
-# decodes of several lengths (one at position 0), a chunk after a prefix, a fresh prefill
-Q_LENS = [1, 1, 7, 1, 12, 1]
-SEQ_LENS = [37, 300, 40, 1, 12, 129]
+# decodes of several lengths (one at position 0), a short query after a prefix (7 rows,
+# as a decode verifying 6 drafts: attended a row at a time), a fresh prefill, and a
+# chunk after a prefix long enough for the prefill path
+Q_LENS = [1, 1, 7, 1, 12, 1, 20]
+SEQ_LENS = [37, 300, 40, 1, 12, 129, 90]
 CASES = [  # (num_kv_heads, group, head_dim, block_size, window, native)
     (3, 3, 64, 16, None, True),  # SmolLM2-135M's heads
     (2, 1, 64, 16, None, True),
@@ -39,6 +42,10 @@ def _attend(batch, q_lens, seq_lens, block_size, window):
     num_kv_heads, head_dim = k_cache.shape[2:]
     k = k_cache.view(-1, num_kv_heads, head_dim)[slots].clone()
     v = v_cache.view(-1, num_kv_heads, head_dim)[slots].clone()
+    scales = (batch.get("k_scale"), batch.get("v_scale"))
+    if scales[0] is not None:  # an 8-bit cache: its values, which the write quantizes again
+        k = dequantize(k, scales[0].view(-1, num_kv_heads)[slots])
+        v = dequantize(v, scales[1].view(-1, num_kv_heads)[slots])
     meta = AttentionMetadata(
         slot_mapping=slots,
         cu_seqlens_q=batch["cu_seqlens_q"],
@@ -50,10 +57,12 @@ def _attend(batch, q_lens, seq_lens, block_size, window):
     )
     backend = get_backend("torch", torch.device("cpu"))
     backend.prepare(meta)
-    return backend.forward(batch["q"], k, v, k_cache, v_cache, meta, 0.125, window)
+    return backend.forward(batch["q"], k, v, k_cache, v_cache, meta, 0.125, window, *scales)
 
 
 def _check(out, batch, window):
+    if "k_scale" in batch:  # the reference reads the 8-bit cache as written, dequantized
+        batch = dequantized(batch)
     ref = attention_f64(**batch, scale=0.125, window=window)
     rel = ((out.double() - ref).abs().max() / ref.abs().max()).item()
     assert rel < REL_TOL, f"relative error {rel:.2e}"
@@ -75,7 +84,9 @@ def test_native_kernel_matches_float64(
     _check(out, batch, window)
     assert len(calls) == int(native)  # it ran where it can, and torch where it cannot
     if native:
-        assert calls[0][6].tolist() == [9, 0, 22, 1]  # the decode rows, shortest context first
+        # the decode rows, shortest context first: row 9 sees 1 position; rows 2-8 (the
+        # short query) see 34-40, so row 5 ties with row 0's 37; row 22 sees 129, row 1 300
+        assert calls[0][6].tolist() == [9, 2, 3, 4, 0, 5, 6, 7, 8, 22, 1]
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,window,native", CASES[:4])
@@ -111,3 +122,29 @@ def test_native_kernel_splits_long_contexts_into_spans(window):
     q_lens, seq_lens = [1, 1, 1, 1], [1100, 513, 40, 1537]
     batch = make_batch(q_lens, seq_lens, 3, 3, 64, 16, torch.float32, device="cpu")
     _check(_attend(batch, q_lens, seq_lens, 16, window), batch, window)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize(
+    "num_kv_heads,group,head_dim,window", [(3, 3, 64, None), (2, 4, 64, 50), (1, 8, 128, None)]
+)
+def test_int8_cache_matches_float64_of_its_dequantized_values(
+    monkeypatch, native, num_kv_heads, group, head_dim, window
+):
+    """An int8 cache on every path (native decode rows, torch decode groups, prefill
+    chunks reading their prefix, fresh prefills): the reference is float64 attention over
+    the cache's codes times scales as they stand after the step's writes."""
+    if native and cpu_native.library() is None:
+        pytest.skip("no C compiler here: the native kernel is not built")
+    if not native:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    calls = []
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(a) or real(*a))
+    batch = make_batch(Q_LENS, SEQ_LENS, num_kv_heads, group, head_dim, 16, torch.float32, device="cpu")
+    batch = quantize_batch(batch, "int8")
+    before = batch["k_cache"].clone()
+    out = _attend(batch, Q_LENS, SEQ_LENS, 16, window)
+    assert (batch["k_cache"].int() - before.int()).abs().max() <= 1  # re-quantizing moved codes by <= 1
+    _check(out, batch, window)
+    assert len(calls) == int(native)

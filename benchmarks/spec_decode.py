@@ -1,0 +1,137 @@
+"""N-gram speculative decoding against plain decoding (issue 15's benchmark).
+
+Two workloads of chat prompts, greedy, each run once without and once with n-gram
+speculation on the same engine settings, one request at a time (single stream) and four
+at a time (batch 4):
+
+- grounded: the answer repeats spans of the prompt (copy a passage, extract from a
+  text, edit a piece of code) — what prompt lookup is for;
+- open: open-ended chat, where the prompt has little to look up.
+
+Prints tok/s (output tokens over wall time), the speed-up, the drafts' acceptance rate,
+and whether the greedy tokens were identical (they must be).
+
+    .venv/bin/python benchmarks/spec_decode.py [--k 4] [--max-tokens 160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from serve_harness import cpu_banner
+
+PASSAGE = (
+    "The lighthouse stood on a spit of black rock at the mouth of the bay. Every night for "
+    "ninety years its lamp had turned, four flashes and a pause, and every fishing boat "
+    "that came home in the dark steered by it. When the council voted to replace it with "
+    "an automatic beacon, the keeper asked only to stay until the last of the old boats "
+    "had been sold."
+)
+CODE = """def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total += (v - m) ** 2
+    return total / len(values)
+"""
+RECORD = (
+    "Invoice 4471 was issued on 12 March 2024 by Northwind Traders, 18 Harbour Road, "
+    "Leith, to Contoso Ltd for 40 crates of green tea at 12.50 per crate, total 500.00, "
+    "payable within 30 days to account GB29 NWBK 6016 1331 9268 19."
+)
+GROUNDED = [
+    f"Copy the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite this Python code with type hints on every function. Change nothing else.\n\n{CODE}",
+    f"Rename the function `mean` to `average` everywhere in this code and show the full code.\n\n{CODE}",
+    f"From this record, list the invoice number, date, seller, buyer, item, quantity, "
+    f"unit price, total and account, one per line as 'field: value'.\n\n{RECORD}",
+    f"Repeat the passage below, then give it a title.\n\n{PASSAGE}",
+    f"Copy this record exactly, then say who must pay whom.\n\n{RECORD}",
+    f"Add a docstring to each function of this code and show the full code.\n\n{CODE}",
+    f"Quote the second and third sentences of this passage exactly.\n\n{PASSAGE}",
+]
+OPEN = [
+    "Write a short poem about the sea at night.",
+    "What are three good habits for learning to cook?",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Suggest a name and a one-line plot for a mystery novel.",
+    "What should I pack for a weekend hiking trip?",
+    "Describe your ideal small garden.",
+    "Give me two tips for writing clear emails.",
+    "Why do cats like boxes?",
+]
+
+
+def chat_ids(tokenizer, text: str) -> dict:
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return {"prompt_token_ids": tokenizer(prompt, add_special_tokens=False).input_ids}
+
+
+def run(llm, prompts: list[dict], params, batch: int) -> tuple[float, int, list[list[int]]]:
+    """(seconds, output tokens, tokens per prompt) running `batch` prompts at a time."""
+    tokens, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        tokens += [o.outputs[0].token_ids for o in llm.generate(prompts[i : i + batch], params)]
+    return time.perf_counter() - start, sum(map(len, tokens)), tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    args = ap.parse_args()
+
+    from kvray.engine import LLM, SamplingParams
+
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+    common = dict(max_model_len=1024, enable_prefix_caching=False)
+    plain = LLM(**common)
+    ngram = LLM(speculative_config=spec, **common)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    workloads = {"grounded": GROUNDED, "open": OPEN}
+    print(cpu_banner())
+    print(f"model {plain.engine.config.model}, dtype {plain.engine.dtype}, n-gram k={args.k}, greedy")
+    print()
+    print(
+        "| workload | batch | plain tok/s | n-gram tok/s | speed-up | acceptance "
+        "| drafts kept per step | same tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    warm = [chat_ids(plain.tokenizer, "Hello")]
+    run(plain, warm, params, 1)
+    run(ngram, warm, params, 1)
+    for name, texts in workloads.items():
+        prompts = [chat_ids(plain.tokenizer, t) for t in texts]
+        for batch in (1, 4):
+            base_s, base_n, base_tokens = run(plain, prompts, params, batch)
+            stats = ngram.engine.spec_stats
+            before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+            spec_s, spec_n, spec_tokens = run(ngram, prompts, params, batch)
+            drafts = stats.num_drafts - before[0]
+            proposed = stats.num_draft_tokens - before[1]
+            kept = stats.num_accepted_tokens - before[2]
+            print(
+                f"| {name} | {batch} | {base_n / base_s:.1f} | {spec_n / spec_s:.1f} | "
+                f"{(spec_n / spec_s) / (base_n / base_s):.2f}x | {kept / max(proposed, 1):.0%} | "
+                f"{kept / max(drafts, 1):.2f} | {spec_tokens == base_tokens} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

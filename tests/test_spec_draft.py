@@ -1,0 +1,113 @@
+"""Draft-model speculation on the real SmolLM2: greedy tokens identical to plain decoding
+with a tiny random-weight draft of SmolLM2's vocabulary (its proposals are almost all
+rejected) and with SmolLM2 as its own draft (almost all kept); the draft's cache shares
+the target's blocks, so after aborts and preemptions nothing is left used.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_no_leaks
+
+from kvray.engine import LLM, SamplingParams
+from kvray.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    "Tell me a story about a dragon who learns to paint.",
+    "The three primary colors are",
+    "Copy the list: apples, pears, plums, cherries, grapes, lemons.\nCopy: apples,",
+    "What is the best way to learn a new language?",
+    "1, 1, 2, 3, 5, 8,",
+    "Write a haiku about winter mornings.",
+]
+ARGS = dict(dtype="float32", max_model_len=384, max_num_batched_tokens=64, kv_cache_memory_bytes=96 << 20)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """Random weights, SmolLM2's vocabulary, 2 layers of width 64."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    path = tmp_path_factory.mktemp("tiny-draft")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(smollm2_path):
+    llm = LLM(model=str(smollm2_path), **ARGS)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def draft_llm(target, draft, k=3, **overrides) -> LLM:
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+    return LLM(model=str(target), speculative_config=spec, **{**ARGS, **overrides})
+
+
+def test_a_random_draft_is_mostly_rejected_and_changes_no_token(smollm2_path, tiny_draft, plain_tokens):
+    llm = draft_llm(smollm2_path, tiny_draft)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == plain_tokens
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.2
+    assert_no_leaks(llm)
+
+
+def test_the_target_as_its_own_draft_is_mostly_kept(smollm2_path, plain_tokens):
+    llm = draft_llm(smollm2_path, smollm2_path, k=4)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == plain_tokens
+    assert llm.engine.spec_stats.acceptance_rate > 0.8
+    # sampled requests, n > 1: every sample runs to its length, and nothing stays used
+    outs = llm.generate(
+        PROMPTS[:2], SamplingParams(temperature=0.8, n=2, max_tokens=16, seed=1, ignore_eos=True)
+    )
+    assert all(len(c.token_ids) == 16 for o in outs for c in o.outputs)
+    assert_no_leaks(llm)
+
+
+def test_preempted_requests_recompute_their_draft_cache(smollm2_path, plain_tokens):
+    """18 blocks of target + draft K/V for 8 requests of ~40 tokens: preemptions free
+    blocks whose draft K/V the request must then compute again."""
+    llm = draft_llm(smollm2_path, smollm2_path, max_model_len=256, kv_cache_memory_bytes=18 * 2 * 737_280)
+    assert llm.kv_cache_stats().total_blocks == 18
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == plain_tokens
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(smollm2_path, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(InvalidArgumentError) as e:
+        draft_llm(smollm2_path, tmp_path)
+    assert e.value.field == "speculative_config.model" and "49152" in e.value.allowed
