@@ -174,11 +174,12 @@ def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens
     near-tied token, so only runs of the same batches are compared."""
     int8 = {**engine_args, "kv_cache_dtype": "int8"}
     offline = LLM(**int8)
-    want = [offline.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[6], PROMPTS[7]]  # a shared prefix; Fibonacci's digits
+    want = [offline.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
     cluster = _deploy(int8, decode_engine=ngram)
     try:
-        finals = [_run_all(cluster, [p])[0] for p in PROMPTS]
+        finals = [_run_all(cluster, [p])[0] for p in prompts]
         assert [f.outputs[0].token_ids for f in finals] == want
         stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
         assert stats["decode"].kv_transfer_bytes > 0 and stats["decode"].kv_recomputes == 0
@@ -193,10 +194,10 @@ def test_a_pull_between_different_cache_dtypes_is_refused_and_recomputed(local_r
     bytes; the decode side recomputes every prompt in its own cache."""
     cluster = _deploy(engine_args, prefill_engine={"kv_cache_dtype": "int8"})
     try:
-        finals = _run_all(cluster, PROMPTS[:3])
+        finals = _run_all(cluster, PROMPTS[:2])
         assert all(f.finished and f.outputs[0].token_ids for f in finals)
         stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
-        assert stats["decode"].kv_recomputes == 3 and stats["decode"].kv_transfer_bytes == 0
+        assert stats["decode"].kv_recomputes == 2 and stats["decode"].kv_transfer_bytes == 0
         _assert_clean(cluster)
     finally:
         cluster.shutdown()

@@ -96,3 +96,22 @@ def test_greedy_matches_transformers_under_kv_pressure(smollm2_path, reference):
         assert out.outputs[0].token_ids == want
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
+
+
+def test_int8_kv_greedy_agrees_with_transformers(smollm2_path, reference):
+    """An int8 KV cache (fp32 weights, 8-bit K/V: close, not identical): the share of
+    transformers' greedy tokens it reproduces before each prompt's first divergence.
+    Measured on the Zen 3 dev machine: 128 of 161 (0.80)."""
+    prompts, expected = reference
+    llm = LLM(model=str(smollm2_path), dtype="float32", max_num_batched_tokens=256, kv_cache_dtype="int8")
+    outs = llm.generate(
+        [p for p, _ in prompts], [SamplingParams(temperature=0.0, max_tokens=m) for _, m in prompts]
+    )
+    agreed = total = 0
+    for out, want in zip(outs, expected):
+        got = out.outputs[0].token_ids
+        prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        agreed, total = agreed + prefix, total + len(want)
+    print(f"int8 KV: {agreed}/{total} greedy tokens agree with transformers before a divergence")
+    assert agreed / total >= 0.7
+    assert_no_leaks(llm)

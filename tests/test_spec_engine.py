@@ -62,8 +62,8 @@ def test_greedy_speculation_gives_plain_decodings_tokens(plain, spec):
 
 
 def test_each_prompt_alone_and_open_ended_ones_whose_drafts_mostly_fail(plain, spec):
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    for prompt in OPEN_ENDED + GROUNDED[:1]:
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    for prompt in OPEN_ENDED[:2] + GROUNDED[:1]:
         assert tokens(spec.generate([prompt], params)) == tokens(plain.generate([prompt], params))
     assert_no_leaks(spec)
 
