@@ -64,8 +64,13 @@ class KVLayout:
         return self.head_dim + SCALE_BYTES if self.quant else self.head_dim
 
     def check_pull_from(self, src: KVLayout) -> None:
-        """Refuse a pull from a cache whose blocks this one cannot hold as they are."""
-        for name in ("cache_dtype", "block_size", "head_dim", "num_layers", "num_kv_heads"):
+        """Refuse a pull from a cache whose blocks this one cannot hold: another layout, or
+        8-bit codes on one side only or of another kind (values of two float dtypes
+        convert as they land)."""
+        names = ["block_size", "head_dim", "num_layers", "num_kv_heads"]
+        if self.quant or src.quant:
+            names.insert(0, "cache_dtype")
+        for name in names:
             mine, theirs = getattr(self, name), getattr(src, name)
             if mine != theirs:
                 raise ValueError(

@@ -20,7 +20,7 @@ from kvray.engine.draft_proposer import DraftProposer
 from kvray.engine.kv_cache_manager import KVCacheManager
 from kvray.engine.kv_connector import DecodeHandoff, PrefillHandoff
 from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, kv_layout_of
-from kvray.engine.model_runner import build_runner
+from kvray.engine.model_runner import build_runner, resolve_max_model_len
 from kvray.engine.output_processor import OutputProcessor
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.request import Request, RequestStatus, SampleGroup
@@ -100,7 +100,9 @@ class LLMEngine:
         spec = config.speculative_config
         drafter = None  # a draft model's cache shares the target's blocks: both count in the budget
         if spec is not None and spec.method == "draft_model":
-            drafter = DraftProposer(spec, config, hf_config.vocab_size, draft_hf_config)
+            drafter = DraftProposer(
+                spec, config, hf_config, resolve_max_model_len(config, hf_config), draft_hf_config
+            )
         extra = drafter.bytes_per_block if drafter is not None else None
         self.runner = build_runner(config, hf_config, model_path, shard, extra_bytes_per_block=extra)
         if drafter is not None:

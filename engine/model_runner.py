@@ -51,13 +51,19 @@ def build_runner(
     `num_blocks`: that many KV blocks (a draft model's cache, as many as its target's);
     `extra_bytes_per_block(dtype)`: bytes each block also costs elsewhere (the draft's
     cache), taken out of the budget before counting blocks."""
+    model, device, dtype, max_model_len = load_model(config, hf_config, model_path, shard)
+    extra = extra_bytes_per_block(dtype) if extra_bytes_per_block is not None else 0
+    return ModelRunner(config, model, hf_config, device, dtype, max_model_len, shard, num_blocks, extra)
+
+
+def load_model(config: EngineConfig, hf_config, model_path, shard: ShardContext | None = None):
+    """(model, device, dtype, max_model_len): this shard's weights on their device."""
     device = engine_device(config)
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = resolve_max_model_len(config, hf_config)
     model = build_model(hf_config, model_path, dtype, device, max_model_len, shard)
     pack_model(model, dtype, device)  # CPU: weights in oneDNN's layout, packed once
-    extra = extra_bytes_per_block(dtype) if extra_bytes_per_block is not None else 0
-    return ModelRunner(config, model, hf_config, device, dtype, max_model_len, shard, num_blocks, extra)
+    return model, device, dtype, max_model_len
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -329,6 +335,7 @@ def _sample_rows(req, drafts: list[int]) -> list[SampleRow]:
     for j in range(len(drafts) + 1):
         ahead = drafts[:j]
         num_output = req.num_output_tokens + j
+        mask, terminated = _grammar_after(req.grammar, ahead)
         rows.append(
             SampleRow(
                 req.request_id,
@@ -337,31 +344,31 @@ def _sample_rows(req, drafts: list[int]) -> list[SampleRow]:
                 num_output,
                 req.all_token_ids + ahead if p.repetition_penalty != 1.0 else [],
                 req.output_token_ids + ahead if penalised else [],
-                _bitmask(req.grammar, ahead),
-                _suppressed(req, num_output),
+                mask,
+                _suppressed(req, num_output, terminated),
             )
         )
     return rows
 
 
-def _bitmask(grammar, ahead: list[int]):
-    """The grammar's allowed tokens after `ahead` (drafts it accepts: the proposer checks),
-    leaving the grammar where it was."""
+def _grammar_after(grammar, ahead: list[int]) -> tuple[torch.Tensor | None, bool]:
+    """The grammar's allowed tokens after `ahead` (drafts it accepts: the proposer checks)
+    and whether it is complete there, leaving the grammar where it was."""
     if grammar is None:
-        return None
-    if not ahead:
-        return grammar.token_bitmask()
+        return None, False
     for token in ahead:
         grammar.accept(token)
-    mask = grammar.token_bitmask()
-    grammar.rollback(len(ahead))
-    return mask
+    mask, terminated = grammar.token_bitmask(), grammar.is_terminated
+    if ahead:
+        grammar.rollback(len(ahead))
+    return mask, terminated
 
 
-def _suppressed(req, num_output: int) -> list[int]:
-    """Tokens it may not sample yet: end-of-sequence and stop tokens before `min_tokens`."""
+def _suppressed(req, num_output: int, grammar_done: bool) -> list[int]:
+    """Tokens it may not sample yet: end-of-sequence and stop tokens before `min_tokens`
+    (unless its grammar is complete: then it may only end)."""
     p = req.sampling_params
-    if num_output >= p.min_tokens or (req.grammar is not None and req.grammar.is_terminated):
+    if num_output >= p.min_tokens or grammar_done:
         return []
     return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
 

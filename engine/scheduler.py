@@ -106,6 +106,9 @@ class Scheduler:
             # a decoding request verifies its drafts in the same step, as far as the budget goes
             drafts = req.spec_token_ids[: budget - n] if n == 1 else []
             while self.kv.allocate_slots(req, n + len(drafts)) is None:
+                if drafts:  # never preempt anyone for drafts: run without them
+                    drafts = []
+                    continue
                 victim = self.running.pop()  # lowest ranked
                 self._preempt(victim)
                 out.preempted.append(victim)

@@ -54,10 +54,11 @@ class Speculator:
         tables = [kv.block_ids(r.request_id) for r in reqs]
         proposals = self.drafter.propose(reqs, tables, [len(step.draft_token_ids[i]) for i in picked])
         for i, req, drafts in zip(picked, reqs, proposals):
-            drafts = _grammar_cut(req, drafts)
-            step.num_scheduled_tokens[i] += len(drafts) - len(step.draft_token_ids[i])
-            step.draft_token_ids[i] = drafts
-            req.spec_token_ids = drafts
+            cut = _grammar_cut(req, drafts)
+            step.num_scheduled_tokens[i] += len(cut) - len(drafts)
+            step.draft_token_ids[i] = req.spec_token_ids = cut
+            if len(cut) < len(drafts):  # the places of the cut drafts go back
+                kv.trim(req, req.num_computed_tokens + step.num_scheduled_tokens[i])
 
     def settle(self, step: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """After the step's tokens are appended: count drafts kept, and let the draft

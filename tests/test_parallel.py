@@ -192,10 +192,18 @@ def test_sharded_llm_gives_transformers_tokens(local_ray, engine_args, reference
         "required": ["n"],
         "additionalProperties": False,
     }
-    with LLM(**engine_args, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+    # tp 2 x pp 2 also speculates: drafts travel in the plan, the last stage verifies them
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if (tp, pp) == (2, 2) else None
+    with LLM(
+        **engine_args, tensor_parallel_size=tp, pipeline_parallel_size=pp, speculative_config=spec
+    ) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         )
+        if spec is not None:
+            import ray
+
+            assert ray.get(llm._group.worker.stats.remote()).spec_decode.num_draft_tokens > 0
         # a grammar's mask travels with the step's plan to the sampling rank (the last stage)
         constrained = SamplingParams(
             temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)

@@ -170,10 +170,10 @@ def test_sampled_draft_acceptance_rate_is_the_target_probability():
 BS = 4
 
 
-def make_request(rid: str, prompt_len: int, **params) -> Request:
+def make_request(rid: str, prompt_len: int, first: int = 1, **params) -> Request:
     return Request(
         request_id=rid,
-        prompt_token_ids=list(range(1, prompt_len + 1)),
+        prompt_token_ids=list(range(first, first + prompt_len)),
         sampling_params=SamplingParams(**{"max_tokens": 100, "temperature": 0.0, **params}),
         eos_token_ids=frozenset({0}),
         block_size=BS,
@@ -286,26 +286,49 @@ def test_only_blocks_full_of_known_tokens_enter_the_prefix_cache():
     pool.check_integrity()
 
 
-def test_preempting_for_a_request_with_drafts_and_rolling_it_back():
-    sched = make_scheduler(num_blocks=5)
-    a, b = make_request("a", 8), make_request("b", 8)
+def _two_prefilled(num_blocks: int) -> tuple[Scheduler, Request, Request]:
+    """a and b: 8-token prompts (no block in common) computed, 2 blocks each, and one
+    token sampled each."""
+    sched = make_scheduler(num_blocks=num_blocks)
+    a, b = make_request("a", 8), make_request("b", 8, first=101)
     sched.add_request(a)
     sched.add_request(b)
-    out = sched.schedule()  # both prompts: 2 blocks each
+    out = sched.schedule()
     sched.update_from_output(out, {"a": [50], "b": [50]})
+    return sched, a, b
+
+
+def test_drafts_are_dropped_rather_than_preempting_anyone():
+    sched, a, b = _two_prefilled(num_blocks=6)
     a.spec_token_ids = [60, 61, 62, 63, 64, 65, 66, 67]
     b.spec_token_ids = [60]
     out = sched.schedule()
-    # a's 1 + 8 tokens need 5 blocks (3 more), 1 is free: b (ranked last) is preempted
-    assert out.preempted == [b] and out.requests == [a] and out.num_scheduled_tokens == [9]
-    assert b.num_computed_tokens == 0 and b.spec_token_ids == [] and len(sched.kv.block_ids("a")) == 5
-    sched.update_from_output(out, {"a": [60, 61, 70]})
-    # 8 + 1 + 2 kept = 11 computed: 3 blocks stay, 2 go back
-    assert a.num_computed_tokens == 11 and len(sched.kv.block_ids("a")) == 3
-    out = sched.schedule()  # b comes back: its prompt blocks are prefix hits
-    assert [r.request_id for r in out.requests] == ["a", "b"]
-    sched.update_from_output(out, {r.request_id: [80] for i, r in enumerate(out.requests) if out.samples(i)})
+    # a's 1 + 8 tokens need 3 more blocks, 2 are free: a runs its token alone (1 block);
+    # b's token and draft then fit in the last one
+    assert out.preempted == [] and out.num_scheduled_tokens == [1, 2]
+    assert out.draft_token_ids == [[], [60]]
+    sched.update_from_output(out, {"a": [70], "b": [71]})  # b's draft rejected
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (9, 9)
+    assert [len(sched.kv.block_ids(r)) for r in "ab"] == [3, 3]  # position 9 of b: block 2
+    sched.kv.pool.check_integrity()
+
+
+def test_a_request_preempted_with_drafts_loses_them_and_its_blocks():
+    sched, a, b = _two_prefilled(num_blocks=5)
+    a.spec_token_ids = [60, 61, 62, 63, 64, 65, 66, 67]
+    b.spec_token_ids = [60]
+    out = sched.schedule()
+    # a drops its drafts and takes the last free block; b's own token no longer fits:
+    # b (ranked last) is preempted, drafts and all
+    assert out.preempted == [b] and out.requests == [a] and out.num_scheduled_tokens == [1]
+    assert b.num_computed_tokens == 0 and b.spec_token_ids == [] and sched.kv.block_ids("b") == []
+    sched.update_from_output(out, {"a": [70]})
+    sched.abort(["a"])
+    out = sched.schedule()  # b comes back: its prompt's 2 full blocks are prefix hits
+    assert [r.request_id for r in out.requests] == ["b"] and b.num_computed_tokens == 8
+    assert out.num_scheduled_tokens == [1]  # only its sampled token is computed again
+    sched.update_from_output(out, {"b": [80]})
     assert b.output_token_ids == [50, 80]
-    sched.abort(["a", "b"])
+    sched.abort(["b"])
     assert sched.kv.pool.stats().used_blocks == 0
     sched.kv.pool.check_integrity()

@@ -111,3 +111,25 @@ def test_a_draft_of_another_vocabulary_is_refused(smollm2_path, tmp_path):
     with pytest.raises(InvalidArgumentError) as e:
         draft_llm(smollm2_path, tmp_path)
     assert e.value.field == "speculative_config.model" and "49152" in e.value.allowed
+
+
+def test_a_draft_of_a_shorter_context_is_refused(smollm2_path, tiny_draft):
+    """The tiny draft covers 2,048 positions; a target run at 4,096 needs more."""
+    with pytest.raises(InvalidArgumentError) as e:
+        draft_llm(smollm2_path, tiny_draft, max_model_len=4096, kv_cache_memory_bytes=1 << 30)
+    assert e.value.field == "speculative_config.model" and "4096" in e.value.allowed
+
+
+def test_long_prompts_catch_the_draft_up_in_chunks_of_the_budget(smollm2_path, tiny_draft):
+    """Three 150-token prompts reach decoding together: the draft's catch-up (450 tokens)
+    runs as forwards of at most max_num_batched_tokens = 64, and the tokens still equal
+    plain decoding's."""
+    prompts = [{"prompt_token_ids": list(range(1000 + 150 * i, 1150 + 150 * i))} for i in range(3)]
+    want = [o.outputs[0].token_ids for o in LLM(model=str(smollm2_path), **ARGS).generate(prompts, GREEDY)]
+    llm = draft_llm(smollm2_path, tiny_draft)
+    sizes = []
+    real = llm.engine.speculator.drafter.runner.run
+    llm.engine.speculator.drafter.runner.run = lambda plan: sizes.append(len(plan.input_ids)) or real(plan)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert max(sizes) <= 64 and sum(sizes) >= 450
+    assert_no_leaks(llm)
