@@ -36,3 +36,40 @@ def test_bad_kv_cache_dtype_names_the_field(smollm2_path, value, allowed):
     with pytest.raises(InvalidArgumentError) as e:
         LLM(model=str(smollm2_path), dtype="float32", max_model_len=256, kv_cache_dtype=value)
     assert e.value.field == "kv_cache_dtype" and allowed in e.value.allowed
+
+
+def test_a_pull_between_different_kinds_of_cache_is_refused_before_any_byte_moves():
+    """The decode side checks the ticket's layout first: int8 blocks never land in an
+    fp32 cache (it recomputes instead), and the prefill side is still told to unpin."""
+    import asyncio
+    import dataclasses
+    import time
+
+    import torch
+
+    from kvray.actors.kv_pull import KVPuller
+    from kvray.configs import KVTransferConfig
+    from kvray.engine.kv_transfer import KVLayout, KVTicket
+
+    fp32 = KVLayout(30, 16, 3, 64, "float32", 9)
+    int8 = dataclasses.replace(fp32, dtype="int8", quant="int8")
+    released = []
+
+    class Prefill:  # the prefill worker's actor handle: only release_kv is called
+        class release_kv:  # noqa: N801 (Ray's method handle)
+            @staticmethod
+            def remote(request_id):
+                released.append(request_id)
+
+    class Connector:  # no transfer may start
+        async def pull(self, *args):
+            raise AssertionError("a pull started")
+
+    puller = KVPuller(Connector(), KVTransferConfig(), fp32, [])
+    ticket = KVTicket("prefill-0", "r1", (1, 2), 20, (), int8, time.time() + 30)
+    assert asyncio.run(puller.pull(ticket, Prefill(), torch.zeros(1), [5, 6])) is False
+    assert released == ["r1"] and puller.bytes_pulled == 0
+    assert (int8.row_width, int8.packed_bytes(1), fp32.packed_bytes(1)) == (68, 195_840, 737_280)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        fp32.check_pull_from(int8)
+    fp32.check_pull_from(dataclasses.replace(fp32, dtype="bfloat16"))  # floats convert as they land
