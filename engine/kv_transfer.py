@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvray.kernels.kv_quant import SCALE_BYTES, KVQuant
+from kvray.kernels.kv_quant import QUANTS, KVQuant
 from kvray.models.layers import head_dim_of
 from kvray.models.parallel import ShardSpec
 
@@ -61,7 +61,7 @@ class KVLayout:
     @property
     def row_width(self) -> int:
         """Elements of one (token, KV head) row of the cache tensor."""
-        return self.head_dim + SCALE_BYTES if self.quant else self.head_dim
+        return QUANTS[self.quant].row_bytes(self.head_dim) if self.quant else self.head_dim
 
     def check_pull_from(self, src: KVLayout) -> None:
         """Refuse a pull from a cache whose blocks this one cannot hold: another layout, or

@@ -176,8 +176,9 @@ class TorchBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, k_scale=None, v_scale=None):
-        cache = _Cache(k_cache, v_cache, k_scale, v_scale)
-        k, v = cache.write(k, v, meta.slot_mapping)  # what attention sees of them (dequantized)
+        keys, values = _Paged(k_cache, k_scale), _Paged(v_cache, v_scale)
+        # the new K/V as attention will see them (dequantized, in an 8-bit cache)
+        k, v = keys.write(k, meta.slot_mapping), values.write(v, meta.slot_mapping)
         plan: _Plan = meta.plan
         out = torch.empty_like(q)
         if plan.native is not None and cpu_native.supports(q, k_cache, k_scale):
@@ -197,62 +198,47 @@ class TorchBackend(AttentionBackend):
             )
         else:
             for g in plan.decode_groups():
-                og = _decode_attention(q.index_select(0, g.rows), cache, g, scale, sliding_window)
+                og = _decode_attention(q.index_select(0, g.rows), keys, values, g, scale, sliding_window)
                 out.index_copy_(0, g.rows, og)
         for p in plan.prefills:
-            out[p.lo : p.hi] = _prefill_attention(q, k, v, cache, p, scale, sliding_window)
+            out[p.lo : p.hi] = _prefill_attention(q, k, v, keys, values, p, scale, sliding_window)
         return out
 
 
 @dataclass
-class _Cache:
-    """One layer's paged K/V (and an 8-bit cache's scales), read and written by slot or block."""
+class _Paged:
+    """One layer's paged K (or V), read and written by slot or by block."""
 
-    k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
-    v: torch.Tensor
-    k_scale: torch.Tensor | None  # fp32 [num_blocks, block_size, Hkv]
-    v_scale: torch.Tensor | None
+    values: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    scales: torch.Tensor | None  # an 8-bit cache's fp32 [num_blocks, block_size, Hkv]; else None
 
-    def write(
-        self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new K/V at their slots; returns them as the cache will give them back."""
-        if self.k_scale is None:
-            for x, cache in ((k, self.k), (v, self.v)):
-                _flat(cache).index_copy_(0, slots, x.to(cache.dtype))
-            return k, v
-        quant = quant_of(self.k)
-        seen = []
-        for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
-            codes, row_scales = quantize(x, quant)
-            _flat(cache).index_copy_(0, slots, codes)
-            scales.view(-1, scales.shape[-1]).index_copy_(0, slots, row_scales)
-            seen.append(dequantize(codes, row_scales, x.dtype))
-        return seen[0], seen[1]
+    def write(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Store x [T, Hkv, D] at its slots; returns it as reads will give it back."""
+        if self.scales is None:
+            self._by_slot().index_copy_(0, slots, x.to(self.values.dtype))
+            return x
+        codes, scales = quantize(x, quant_of(self.values))
+        self._by_slot().index_copy_(0, slots, codes)
+        self.scales.view(-1, self.scales.shape[-1]).index_copy_(0, slots, scales)
+        return dequantize(codes, scales, x.dtype)
 
-    def blocks(self, which: str, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K ("k") or V ("v") of whole blocks [n, block_size, Hkv, D], dequantized."""
-        x = getattr(self, which).index_select(0, index)
-        scales = getattr(self, f"{which}_scale")
-        return x if scales is None else dequantize(x, scales.index_select(0, index), dtype)
+    def blocks(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Whole blocks [n, block_size, Hkv, D], dequantized."""
+        x = self.values.index_select(0, index)
+        return x if self.scales is None else dequantize(x, self.scales.index_select(0, index), dtype)
 
-    def slots(self, which: str, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K or V at cache slots [n, Hkv, D], dequantized."""
-        x = _flat(getattr(self, which)).index_select(0, index)
-        scales = getattr(self, f"{which}_scale")
-        return (
-            x
-            if scales is None
-            else dequantize(x, scales.view(-1, scales.shape[-1]).index_select(0, index), dtype)
-        )
+    def slots(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows at cache slots [n, Hkv, D], dequantized."""
+        x = self._by_slot().index_select(0, index)
+        if self.scales is None:
+            return x
+        return dequantize(x, self.scales.view(-1, self.scales.shape[-1]).index_select(0, index), dtype)
+
+    def _by_slot(self) -> torch.Tensor:
+        return self.values.view(-1, self.values.shape[2], self.values.shape[3])
 
 
-def _flat(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks * block_size, Hkv, D]: the cache by slot."""
-    return cache.view(-1, cache.shape[2], cache.shape[3])
-
-
-def _decode_attention(q, cache: _Cache, g: _DecodeGroup, scale: float, sliding_window):
+def _decode_attention(q, k_cache: _Paged, v_cache: _Paged, g: _DecodeGroup, scale: float, sliding_window):
     """One query token per sequence: q [Sg, Hq, D] -> [Sg, Hq, D].
 
     K/V are gathered a whole block at a time into [Sg, L, Hkv*D] (their natural layout,
@@ -263,10 +249,10 @@ def _decode_attention(q, cache: _Cache, g: _DecodeGroup, scale: float, sliding_w
     what a decode step on a CPU is bound by.
     """
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = cache.k.shape[2]
+    num_kv_heads = k_cache.values.shape[2]
     group = num_q_heads // num_kv_heads
-    keys = cache.blocks("k", g.blocks, q.dtype).view(num_seqs, -1, num_kv_heads * head_dim)
-    values = cache.blocks("v", g.blocks, q.dtype).view(num_seqs, -1, num_kv_heads * head_dim)
+    keys = k_cache.blocks(g.blocks, q.dtype).view(num_seqs, -1, num_kv_heads * head_dim)
+    values = v_cache.blocks(g.blocks, q.dtype).view(num_seqs, -1, num_kv_heads * head_dim)
     bias = g.bias_as(q.dtype)
     if sliding_window is not None:
         pos = torch.arange(bias.shape[-1], device=bias.device)
@@ -282,14 +268,14 @@ def _decode_attention(q, cache: _Cache, g: _DecodeGroup, scale: float, sliding_w
     return o.permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, head_dim)
 
 
-def _prefill_attention(q, k, v, cache: _Cache, p: _PrefillPlan, scale, sliding_window):
+def _prefill_attention(q, k, v, k_cache: _Paged, v_cache: _Paged, p: _PrefillPlan, scale, sliding_window):
     """One sequence's chunk: q rows p.lo:p.hi -> [q_len, Hq, D]; k, v: the step's new
     K/V as the cache holds them."""
     q_len = p.hi - p.lo
     if p.slots is None:
         keys, values = k[p.lo : p.hi], v[p.lo : p.hi]
     else:
-        keys, values = cache.slots("k", p.slots, q.dtype), cache.slots("v", p.slots, q.dtype)
+        keys, values = k_cache.slots(p.slots, q.dtype), v_cache.slots(p.slots, q.dtype)
     mask = p.mask
     if sliding_window is not None:
         mask = context_mask(q_len, keys.shape[0], sliding_window, q.device)

@@ -254,14 +254,9 @@ def test_reshape_and_cache_int8_stores_codes_and_scales(num_kv_heads, head_dim, 
         assert codes.reshape(64, -1)[untouched].count_nonzero() == 0
 
 
-@pytest.mark.parametrize(
-    "q_lens,seq_lens,force_split",
-    [(MIXED["q_lens"], MIXED["seq_lens"], False), ([1, 1, 1], [700, 33, 1200], True)],
-    ids=["mixed", "split-decode"],
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int8_cache_attention_matches_float64_of_its_dequantized_values(q_lens, seq_lens, force_split, dtype):
-    batch = quantize_batch(make_batch(q_lens, seq_lens, 2, 4, 64, 16, dtype, seed=4), "int8")
+def attend_8bit(batch, bound: float, **kwargs) -> torch.Tensor:
+    """unified_attention over an 8-bit batch (quantize_batch), checked against float64
+    attention over its dequantized cache; returns the output."""
     out = torch.full_like(batch["q"], float("nan"))
     triton_attention.unified_attention(
         batch["q"],
@@ -275,11 +270,23 @@ def test_int8_cache_attention_matches_float64_of_its_dequantized_values(q_lens, 
         None,
         batch["k_scale"],
         batch["v_scale"],
-        force_split=force_split,
+        **kwargs,
     )
     ref = attention_f64(**dequantized(batch), scale=0.125, window=None)
     rel = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
-    assert rel < REL_TOL[dtype], f"relative error {rel:.2e}"
+    assert rel < bound, f"relative error {rel:.2e}"
+    return out
+
+
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,force_split",
+    [(MIXED["q_lens"], MIXED["seq_lens"], False), ([1, 1, 1], [700, 33, 1200], True)],
+    ids=["mixed", "split-decode"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_cache_attention_matches_float64_of_its_dequantized_values(q_lens, seq_lens, force_split, dtype):
+    batch = quantize_batch(make_batch(q_lens, seq_lens, 2, 4, 64, 16, dtype, seed=4), "int8")
+    out = attend_8bit(batch, REL_TOL[dtype], force_split=force_split)
     expect = torch.full_like(out, float("nan"))  # the torch reference reads the same cache
     unified_attention_ref(
         batch["q"],
@@ -487,19 +494,4 @@ def test_gpu_reshape_and_cache(dtype):
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_gpu_8bit_cache_attention(name):
     batch = quantize_batch(make_batch([1, 19, 1], [900, 50, 64], 2, 4, 128, 16, torch.bfloat16, seed=5), name)
-    out = torch.full_like(batch["q"], float("nan"))
-    triton_attention.unified_attention(
-        batch["q"],
-        batch["k_cache"],
-        batch["v_cache"],
-        out,
-        batch["cu_seqlens_q"],
-        batch["seq_lens"],
-        batch["block_tables"],
-        0.125,
-        None,
-        batch["k_scale"],
-        batch["v_scale"],
-    )
-    ref = attention_f64(**dequantized(batch), scale=0.125, window=None)
-    assert ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() < REL_TOL[torch.bfloat16]
+    attend_8bit(batch, REL_TOL[torch.bfloat16])

@@ -192,23 +192,25 @@ def prefill(sched: Scheduler, req: Request) -> None:
     sched.update_from_output(out, {req.request_id: [50]})
 
 
-def test_a_decode_with_drafts_is_scheduled_as_1_plus_k_tokens_and_samples():
+def decoding_with(drafts: list[int]):
+    """(scheduler, request, step): a 6-token prompt prefilled (6 computed, 7 known, 2
+    blocks, token 50 sampled), then a step scheduled with these drafts."""
     sched = make_scheduler()
     req = make_request("a", 6)
-    prefill(sched, req)  # 6 computed, 7 known, 2 blocks
-    req.spec_token_ids = [60, 61, 62]
-    out = sched.schedule()
+    prefill(sched, req)
+    req.spec_token_ids = list(drafts)
+    return sched, req, sched.schedule()
+
+
+def test_a_decode_with_drafts_is_scheduled_as_1_plus_k_tokens_and_samples():
+    sched, req, out = decoding_with([60, 61, 62])
     assert out.num_scheduled_tokens == [4] and out.draft_token_ids == [[60, 61, 62]]
     assert out.samples(0)
     assert len(sched.kv.block_ids("a")) == 3  # positions 0-9 need 3 blocks of 4
 
 
 def test_rejected_drafts_roll_back_and_free_their_blocks():
-    sched = make_scheduler()
-    req = make_request("a", 6)
-    prefill(sched, req)
-    req.spec_token_ids = [60, 61, 62]
-    out = sched.schedule()
+    sched, req, out = decoding_with([60, 61, 62])
     free_before = sched.kv.pool.num_available
     # kept 60, then the target's own 70: 61 and 62 rejected
     sched.update_from_output(out, {"a": [60, 70]})
@@ -223,11 +225,7 @@ def test_rejected_drafts_roll_back_and_free_their_blocks():
 
 
 def test_all_drafts_kept_and_the_bonus_token():
-    sched = make_scheduler()
-    req = make_request("a", 6)
-    prefill(sched, req)
-    req.spec_token_ids = [60, 61]
-    out = sched.schedule()
+    sched, req, out = decoding_with([60, 61])
     sched.update_from_output(out, {"a": [60, 61, 71]})
     assert req.output_token_ids == [50, 60, 61, 71]
     assert (req.num_computed_tokens, req.num_tokens) == (9, 10)
@@ -252,11 +250,7 @@ def test_drafts_are_cut_to_the_token_budget():
 
 
 def test_a_stop_token_among_kept_drafts_ends_the_request_there():
-    sched = make_scheduler()
-    req = make_request("a", 6)
-    prefill(sched, req)
-    req.spec_token_ids = [60, 0, 62]
-    out = sched.schedule()
+    sched, req, out = decoding_with([60, 0, 62])
     sched.update_from_output(out, {"a": [60, 0, 62, 73]})
     assert req.output_token_ids == [50, 60, 0] and req.finished
     assert sched.kv.pool.stats().used_blocks == 0
