@@ -74,6 +74,7 @@ BENCHMARKS = {
     "tp": "tensor_parallel.py",
     "spec": "spec_decode.py",
     "kv-int8": "kv_int8.py",
+    "step-times": "step_times.py",
 }
 
 
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=_bench)
+
+    from kvray.sim.cli import add_parser as add_sim_parser
+
+    add_sim_parser(sub)
     return parser
 
 

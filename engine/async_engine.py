@@ -12,11 +12,15 @@ bad request raises in the caller and never disturbs the requests already running
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -227,7 +231,9 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         engine = self.engine
+        trace = StepTrace(engine.config.step_trace_dir) if engine.config.step_trace_dir else None
         while not self._stopped:
+            start = time.perf_counter()
             self._drain_commands()
             engine.expire_kv_leases()
             self._publish(engine.take_pending_outputs())
@@ -243,10 +249,14 @@ class AsyncLLM:
                 self._fail_all(e)  # the worker makes every caller see a dead worker
                 continue
             self._publish(outputs)
+            if trace is not None and engine.last_shape:
+                trace.write(engine.last_shape, time.perf_counter() - start)
             if engine.last_step is None or engine.last_step.num_batched_tokens == 0:
                 # nothing could run (e.g. only KV pulls in flight): wait for a command
                 self._wake.wait(timeout=0.005)
                 self._wake.clear()
+        if trace is not None:
+            trace.close()
         engine.shutdown()  # from this thread: never between a step's messages to the shards
 
     def _drain_commands(self) -> None:
@@ -326,6 +336,24 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+
+
+class StepTrace:
+    """Each step of the loop (commands, the step, handing out its outputs) as one JSON line
+    {"batch": [[new tokens, context, samples], ...], "seconds": s}, after a first line
+    naming the torch threads: the served engine's real step costs, for kvray.sim's fit."""
+
+    def __init__(self, folder: str):
+        path = Path(folder) / f"steps-{os.getpid()}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", buffering=1)  # line by line: a killed worker keeps its steps
+        self.file.write(json.dumps({"threads": torch.get_num_threads()}) + "\n")
+
+    def write(self, shape: list[tuple[int, int, bool]], seconds: float) -> None:
+        self.file.write(json.dumps({"batch": shape, "seconds": seconds}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def _settle(future: Future, result=None, error: BaseException | None = None) -> bool:

@@ -38,6 +38,9 @@ class EngineConfig:
     # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, ...};
     # parsed into a SpeculativeConfig here (None: no speculation)
     speculative_config: SpeculativeConfig | dict | None = None
+    # a folder: a served engine writes each step's batch and seconds there as JSON lines
+    # (steps-<pid>.jsonl), what `kvray bench step-times --from-trace` fits kvray.sim to
+    step_trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

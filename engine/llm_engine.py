@@ -128,6 +128,7 @@ class LLMEngine:
         self.speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         self.spec_stats = self.speculator.stats if self.speculator is not None else SpecDecodeStats()
         self.last_step: StepStats | None = None
+        self.last_shape: list[tuple[int, int, bool]] | None = None  # the last step's batch, when traced
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), e.g. by adds
 
     def shutdown(self) -> None:
@@ -298,6 +299,7 @@ class LLMEngine:
         self.last_step = StepStats(
             sched.total_tokens, len(self.scheduler.running), len(self.scheduler.waiting)
         )
+        self.last_shape = sched.shape() if self.config.step_trace_dir else None
         if not sched.requests:
             return pending
         start = time.perf_counter()

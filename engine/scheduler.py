@@ -50,6 +50,15 @@ class SchedulerOutput:
         known = self.num_scheduled_tokens[i] - len(self.draft_token_ids[i])
         return r.num_computed_tokens + known == r.num_tokens
 
+    def shape(self) -> list[tuple[int, int, bool]]:
+        """Per request: (tokens computed this step, its context once they are, whether it
+        samples) -- what a step costs, as kvray.sim's step-time model reads it. Call it
+        before `update_from_output` moves the computed counts."""
+        return [
+            (n, r.num_computed_tokens + n, self.samples(i))
+            for i, (r, n) in enumerate(zip(self.requests, self.num_scheduled_tokens))
+        ]
+
     def add(self, request: Request, num_tokens: int, drafts: list[int] = ()) -> None:
         self.requests.append(request)
         self.num_scheduled_tokens.append(num_tokens)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvray.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # torch loads only where masks are applied (the scheduler's side never needs it)
+    import torch
 
 FORMATS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -157,6 +159,8 @@ class GrammarMatcher:
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
     """`logits` [B, V] with the tokens each mask forbids set to -inf in its row (a copy)."""
+    import torch
+
     vocab = logits.shape[1]
     words = torch.stack(masks).to(logits.device)
     bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1

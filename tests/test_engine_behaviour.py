@@ -100,8 +100,14 @@ def test_n_samples_share_the_prompt_blocks(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # independent samples
     assert llm.engine.kv.prefix_hits >= 2 * 2 * 16  # samples 1 and 2 reused both full blocks
     assert_no_leaks(llm)
-    again = llm.generate([prompt], params)[0]  # seeded: the same samples again
-    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    # Seeded: the same samples again. Sample 0 now finds the prompt cached and computes 8
+    # tokens instead of 40 -- other matmul shapes, logits equal to rounding, which on some
+    # CPUs moves a temperature-1 draw -- so it is compared with a third run on the same path;
+    # samples 1 and 2 took the cached path both times.
+    again = llm.generate([prompt], params)[0]
+    third = llm.generate([prompt], params)[0]
+    assert [c.token_ids for c in again.outputs[1:]] == [c.token_ids for c in out.outputs[1:]]
+    assert [c.token_ids for c in third.outputs] == [c.token_ids for c in again.outputs]
 
 
 def test_seed_gives_same_tokens_alone_or_batched(llm):

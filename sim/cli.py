@@ -1,0 +1,107 @@
+"""`kvray sim ...`: the studies, the planner and the validation against a measured run.
+
+kvray sim study    [--model llama-3.1-8b] [--gpu H100] [--num-gpus 4] [--plot DIR] [--save F]
+kvray sim plan     --workload summarization --num-gpus 8 [--simulate]
+kvray sim validate --config configs/smollm2-cpu.yaml --result RESULT.json [--profile F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PROFILES = Path(__file__).parent / "profiles"
+
+
+def _gpu_setup(args):
+    from kvray.sim.cost_model import HARDWARE, MODELS, StepTimeModel
+    from kvray.sim.worker import SimEngineConfig
+
+    cost = StepTimeModel(MODELS[args.model], HARDWARE[args.gpu], tp=args.tp)
+    engine = SimEngineConfig(
+        num_blocks=cost.kv_cache_blocks(16), max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    return cost, engine
+
+
+def _study(args) -> int:
+    from kvray.sim.report import run_study
+
+    cost, engine = _gpu_setup(args)
+    run_study(cost, engine, args.num_gpus, args.workloads, args.duration, args.plot, args.save)
+    return 0
+
+
+def _plan(args) -> int:
+    from kvray.sim.planner import plan, ratio_for
+    from kvray.sim.studies import WORKLOADS
+
+    cost, engine = _gpu_setup(args)
+    work = WORKLOADS[args.workload]
+    p, d = ratio_for(work, cost, engine, args.num_gpus // cost.tp)
+    print(f"{args.workload} on {args.num_gpus} x {args.gpu}, {args.model}: analytic P:D = {p}:{d}")
+    if args.simulate:
+        result = plan(work, cost, engine, args.num_gpus)
+        for row in result.rows:
+            print(f"  {row.name:16s} goodput {row.goodput:8.2f} req/s  ({row.per_gpu:.2f} per GPU)")
+        print(f"simulated best: {result.best.name}")
+    return 0
+
+
+def _validate(args) -> int:
+    from kvray.sim.validation import validate
+
+    validate(Path(args.config), Path(args.result), args.profile, args.network_ms / 1e3)
+    return 0
+
+
+def add_parser(sub) -> None:
+    sim = sub.add_parser("sim", help="simulate a kvray cluster: PD vs colocated studies, the P:D planner")
+    cmds = sim.add_subparsers(dest="sim_command", required=True)
+
+    def gpu_args(p) -> None:
+        p.add_argument("--model", default="llama-3.1-8b", help="llama-3.1-8b | llama-3.1-70b | smollm2-135m")
+        p.add_argument("--gpu", default="H100", help="H100 | H200 | A10G | L40S")
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--num-gpus", type=int, default=4)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+    study = cmds.add_parser("study", help="goodput of PD splits vs colocated, SLO sweep, chunked prefill")
+    gpu_args(study)
+    study.add_argument("--workloads", default="chatbot,summarization")
+    study.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    study.add_argument("--plot", type=Path, default=None, metavar="DIR")
+    study.add_argument("--save", type=Path, default=None, metavar="FILE.json")
+    study.set_defaults(func=_study)
+
+    pl = cmds.add_parser("plan", help="the P:D ratio for a workload (analytic; --simulate checks it)")
+    gpu_args(pl)
+    pl.add_argument("--workload", default="chatbot", help="chatbot | summarization")
+    pl.add_argument("--simulate", action="store_true")
+    pl.set_defaults(func=_plan)
+
+    val = cmds.add_parser("validate", help="predict a measured `kvray bench serve` run of a preset")
+    val.add_argument("--config", required=True, help="the serve config the run used")
+    val.add_argument("--result", required=True, help="its `kvray bench serve --save-result` JSON")
+    val.add_argument("--profile", default=None, help="step times JSON (default: sim/profiles/cpu*.json)")
+    val.add_argument(
+        "--network-ms",
+        type=float,
+        default=5.0,
+        help="one-way ingress <-> worker latency (5: fitted on this machine)",
+    )
+    val.set_defaults(func=_validate)
+
+
+def load_profile(path: str | Path):
+    from kvray.sim.cost_model import StepTimeModel
+
+    return StepTimeModel.from_dict(json.loads(Path(path).read_text())["fit"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvray")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,122 @@
+"""`kvray sim validate`: predict a measured `kvray bench serve` run of a serve config.
+
+The cluster comes from the config (pools, engine limits, the KV budget in blocks), the
+load from the result JSON (each request's prompt and output length in send order, the
+request rate and the clients' max concurrency), the step times from the profile measured
+on this machine for each pool's torch threads (`kvray bench step-times --threads N`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+from kvray.sim.cluster import ClusterSpec, PoolSpec, simulate
+from kvray.sim.cost_model import StepTimeModel
+from kvray.sim.results import SimResult
+from kvray.sim.worker import SimEngineConfig
+from kvray.sim.workload import SimRequest, arrival_times
+
+PROFILES = Path(__file__).parent / "profiles"
+ENGINE_DEFAULTS = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048}
+COMPARED = (
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "mean_e2el_ms",
+)
+
+
+def profile_path(threads: int, override: str | None = None) -> Path:
+    """The step times to use: `override`, else the served engine's (fitted to a traced
+    serve run), else the offline engine's, for that many torch threads."""
+    if override:
+        return Path(override)
+    for name in (f"cpu-t{threads}-served.json", f"cpu-t{threads}.json"):
+        if (PROFILES / name).exists():
+            return PROFILES / name
+    raise FileNotFoundError(
+        f"no step times for {threads} threads: run `kvray bench step-times --threads {threads}`"
+    )
+
+
+def _profile(threads: int, override: str | None) -> StepTimeModel:
+    return StepTimeModel.from_dict(json.loads(profile_path(threads, override).read_text())["fit"])
+
+
+def cluster_from_config(config: dict, profile: str | None = None, network_s: float = 0.0) -> ClusterSpec:
+    engine_args = {**ENGINE_DEFAULTS, **config.get("engine", {})}
+
+    def pool(role: str) -> PoolSpec:
+        p = config.get(role, {})
+        cost = _profile(int(p.get("torch_threads") or 2), profile)
+        block_bytes = cost.model.kv_bytes_per_token * engine_args["block_size"]
+        num_blocks = int(engine_args.get("kv_cache_memory_bytes") or 256 << 20) // block_bytes
+        engine = SimEngineConfig(
+            num_blocks=num_blocks,
+            block_size=engine_args["block_size"],
+            max_num_seqs=engine_args["max_num_seqs"],
+            max_num_batched_tokens=engine_args["max_num_batched_tokens"],
+            max_model_len=engine_args["max_model_len"],
+            enable_prefix_caching=engine_args.get("enable_prefix_caching", True),
+        )
+        return PoolSpec(int(p.get("num_workers", 1)), engine, cost)
+
+    if config.get("disaggregated", True):
+        return ClusterSpec(prefill=pool("prefill"), decode=pool("decode"), network_s=network_s)
+    return ClusterSpec(mixed=pool("mixed"), network_s=network_s)
+
+
+def requests_from_result(result: dict) -> list[SimRequest]:
+    n = len(result["input_lens"])
+    rate = result.get("request_rate", "inf")
+    rate = math.inf if rate in ("inf", None) else float(rate)
+    times = arrival_times(n, rate, float(result.get("burstiness") or 1.0))
+    return [
+        SimRequest(f"r{i}", t, int(p), int(o))
+        for i, (t, p, o) in enumerate(zip(times, result["input_lens"], result["output_lens"]))
+    ]
+
+
+def predict(config: dict, result: dict, profile: str | None = None, network_s: float = 0.0) -> SimResult:
+    spec = cluster_from_config(config, profile, network_s)
+    return simulate(spec, requests_from_result(result), max_concurrency=result.get("max_concurrency"))
+
+
+def compare(measured: dict, simulated: dict) -> list[tuple[str, float, float, float]]:
+    """(metric, measured, simulated, relative error) for the metrics both have."""
+    rows = []
+    for key in COMPARED:
+        if key in measured and key in simulated:
+            m, s = float(measured[key]), float(simulated[key])
+            rows.append((key, m, s, abs(s - m) / m if m else math.nan))
+    return rows
+
+
+def validate(
+    config_path: Path, result_path: Path, profile: str | None = None, network_s: float = 0.0
+) -> list:
+    if not config_path.exists():  # a preset's name
+        config_path = Path(__file__).resolve().parent.parent / "configs" / f"{config_path.stem}.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    measured = json.loads(result_path.read_text())
+    sim = predict(config, measured, profile, network_s).summary()
+    rows = compare(measured, replace_nan(sim))
+    roles = ("prefill", "decode") if config.get("disaggregated", True) else ("mixed",)
+    threads = sorted({int(config.get(r, {}).get("torch_threads") or 2) for r in roles})
+    used = ", ".join(profile_path(t, profile).name for t in threads)
+    n, conc = len(measured["input_lens"]), measured.get("max_concurrency")
+    print(f"{config_path.name}: {n} requests, max concurrency {conc}; step times: {used}")
+    print("| metric | measured | simulated | error |\n|---|---|---|---|")
+    for key, m, s, err in rows:
+        print(f"| {key} | {m:.1f} | {s:.1f} | {err:.0%} |")
+    return rows
+
+
+def replace_nan(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))}
