@@ -31,6 +31,7 @@ kvray's kernel modules are imported inside the sections, after TRITON_INTERPRET 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -44,15 +45,17 @@ from gpu_check_kernels import bench_decode, bench_prefill, bench_quantized_decod
 from gpu_check_plan import GPU_PLAN, SMOKE_PLAN, Plan, Timer, table
 
 
-def bench_engine(plan: Plan, timer: Timer) -> list[str]:
-    """(d) Steady-state decode steps of the whole engine, and transformers' generate."""
+def bench_engine(plan: Plan, timer: Timer, steps: list[dict]) -> list[str]:
+    """(d) Steady-state decode steps of the whole engine, and transformers' generate.
+    Each engine step's batch and seconds go to `steps` (kvray.sim's StepSample shape: what
+    `kvray bench step-times --from-gpu` fits the GPU's step-time model to)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from kvray.engine import EngineConfig, LLMEngine, SamplingParams
 
     cfg = LlamaConfig(**plan.model)
     cfg.architectures = ["LlamaForCausalLM"]
-    batch, prompt_len, steps = plan.engine_batch, plan.prompt_len, plan.decode_steps
+    batch, prompt_len, num_steps = plan.engine_batch, plan.prompt_len, plan.decode_steps
     dtype_name = str(plan.bench_dtype)[6:]
     config = EngineConfig(
         model="random-llama",
@@ -62,7 +65,7 @@ def bench_engine(plan: Plan, timer: Timer) -> list[str]:
         max_num_seqs=batch,
         max_num_batched_tokens=batch * prompt_len,
         enable_prefix_caching=False,
-        max_model_len=prompt_len + 2 * steps + 8,
+        max_model_len=prompt_len + 3 * num_steps + 8,
         kv_cache_memory_bytes=plan.engine_kv_bytes,
     )
     engine = LLMEngine(config, hf_config=cfg)
@@ -74,20 +77,38 @@ def bench_engine(plan: Plan, timer: Timer) -> list[str]:
                 p.fill_(1.0)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * num_steps, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), {"prompt_token_ids": prompts[i].tolist()}, params)
-    engine.step()  # every prompt in one prefill step
+
+    def timed_step(engine: LLMEngine) -> None:
+        shape = [(r.num_tokens - r.num_computed_tokens, r.num_tokens, True) for r in engine.scheduler.running]
+        shape += [(r.num_tokens, r.num_tokens, True) for r in engine.scheduler.waiting]
+        timer.sync()
+        start = time.perf_counter()
+        engine.step()
+        timer.sync()
+        steps.append({"batch": shape, "seconds": time.perf_counter() - start})
+
+    engine.step()  # every prompt in one prefill step (the first call: not a sample)
     for _ in range(max(plan.warmup, 1)):
         engine.step()
     timer.sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(num_steps):
         engine.step()
         assert engine.last_step.num_batched_tokens == batch, "a timed step was not pure decode"
     timer.sync()
-    kvray_tps = batch * steps / (time.perf_counter() - t0)
-    engine.abort_request([str(i) for i in range(batch)])
+    kvray_tps = batch * num_steps / (time.perf_counter() - t0)
+    for _ in range(min(num_steps, 16)):  # then one at a time, synchronised, for the fit
+        timed_step(engine)
+    for i in range(batch):  # and prompt steps: 1, half and all of the batch's prompts at once
+        engine.abort_request([str(i)])
+    for n in sorted({1, max(batch // 2, 1), batch}):
+        for i in range(n):
+            engine.add_request(f"p{n}-{i}", {"prompt_token_ids": prompts[i].tolist()}, params)
+        timed_step(engine)
+        engine.abort_request([f"p{n}-{i}" for i in range(n)])
     del engine
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -112,9 +133,9 @@ def bench_engine(plan: Plan, timer: Timer) -> list[str]:
     t_first = time.perf_counter()
     hf_generate(1)
     t_all = time.perf_counter()
-    hf_generate(steps + 1)
+    hf_generate(num_steps + 1)
     t_end = time.perf_counter()
-    hf_tps = batch * steps / max((t_end - t_all) - (t_all - t_first), 1e-9)
+    hf_tps = batch * num_steps / max((t_end - t_all) - (t_all - t_first), 1e-9)
     header = ["model", "batch", "prompt", "dtype", "kvray decode tok/s", "transformers decode tok/s", "ratio"]
     shape = f"Llama {cfg.num_hidden_layers}L h{cfg.hidden_size} (random)"
     return table(
@@ -133,8 +154,9 @@ def bench_engine(plan: Plan, timer: Timer) -> list[str]:
     )
 
 
-def run(plan: Plan, smoke: bool) -> tuple[list[str], bool]:
-    """Every section in order; a crash is recorded in the report and the next one runs."""
+def run(plan: Plan, smoke: bool, steps_path: Path | None = None) -> tuple[list[str], bool]:
+    """Every section in order; a crash is recorded in the report and the next one runs.
+    The engine's step times go to `steps_path` (JSON) when given."""
     timer = Timer(plan.device, plan.warmup, plan.reps)
     if plan.device.type == "cuda":
         where = torch.cuda.get_device_name(plan.device)
@@ -195,7 +217,14 @@ def run(plan: Plan, smoke: bool) -> tuple[list[str], bool]:
     section(f"Decode attention ({heads}, block 16, {dtype})", decode)
     section(f"Prefill chunk attention ({heads}, {dtype})", prefill)
     section("Decode attention over 8-bit KV caches", quantized)
-    section("Engine decode throughput", lambda: bench_engine(plan, timer))
+    steps: list[dict] = []
+    section("Engine decode throughput", lambda: bench_engine(plan, timer, steps))
+    if steps and steps_path is not None:
+        dtype_bytes = torch.tensor([], dtype=plan.bench_dtype).element_size()
+        body = {"device": where, "dtype_bytes": dtype_bytes, "hf_config": plan.model, "samples": steps}
+        steps_path.parent.mkdir(parents=True, exist_ok=True)
+        steps_path.write_text(json.dumps(body))
+        report += [f"Engine step times for kvray.sim: {steps_path.name} ({len(steps)} steps)", ""]
     verdict = verdict or ["- not measured: the decode section did not finish"]
     report += ["## Targets" + (" (smoke: not judged)" if smoke else ""), "", *verdict, ""]
     print("\n".join(report[-len(verdict) - 3 :]))
@@ -221,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             "shapes under the Triton interpreter."
         )
         return 0
-    report, ok = run(plan, args.cpu_smoke)
+    report, ok = run(plan, args.cpu_smoke, args.out.with_name("gpu_step_times.json"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(report))
     print(f"wrote {args.out}")

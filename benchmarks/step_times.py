@@ -120,7 +120,20 @@ def main() -> None:
         metavar="DIR",
         help="fit the steps a served engine traced there (its machine peaks from sim/profiles/cpu-t<N>.json)",
     )
+    ap.add_argument(
+        "--from-gpu",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="fit the steps gpu_check.py timed (results/gpu_step_times.json) to the GPU's datasheet peaks",
+    )
+    ap.add_argument(
+        "--gpu", default=None, help="its kvray.sim.cost_model.HARDWARE name (default: from the device)"
+    )
     args = ap.parse_args()
+    if args.from_gpu is not None:
+        fit_gpu(args.from_gpu, args.gpu, args.out)
+        return
     if args.from_trace is not None:
         fit_trace(args.from_trace, args.out)
         return
@@ -171,6 +184,26 @@ def fit_trace(folder: Path, out: Path | None) -> None:
     fitted = fit([s for _, s in samples], base.model, base.hardware, source=source)
     meta = {"machine": offline["machine"], "dtype": offline["dtype"], "threads": threads, "served": True}
     report(fitted, samples, out or PROFILES / f"cpu-t{threads}-served.json", meta)
+
+
+def fit_gpu(path: Path, gpu: str | None, out: Path | None) -> None:
+    """The step-time model of a lent GPU, from the steps `gpu_check.py` timed there."""
+    from kvray.sim.cost_model import HARDWARE
+
+    d = json.loads(path.read_text())
+    name = gpu or next((n for n in HARDWARE if n in d["device"]), None)
+    if name not in HARDWARE:
+        raise SystemExit(f"which GPU is {d['device']!r}? pass --gpu (one of {', '.join(HARDWARE)})")
+    model = ModelSpec.from_hf_config("gpu-check-llama", d["hf_config"], dtype_bytes=d["dtype_bytes"])
+    samples = [("gpu_check", StepSample.from_dict(x)) for x in d["samples"]]
+    fitted = fit(
+        [s for _, s in samples],
+        model,
+        HARDWARE[name],
+        source=f"fitted to {len(samples)} steps: {d['device']}",
+    )
+    meta = {"machine": d["device"], "dtype_bytes": d["dtype_bytes"], "threads": 0}
+    report(fitted, samples, out or PROFILES / f"gpu-{name}.json", meta)
 
 
 def report(fitted: StepTimeModel, samples: list[tuple[str, StepSample]], out: Path, meta: dict) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 PROFILES = Path(__file__).parent / "profiles"
@@ -19,6 +20,9 @@ def _gpu_setup(args):
     from kvray.sim.worker import SimEngineConfig
 
     cost = StepTimeModel(MODELS[args.model], HARDWARE[args.gpu], tp=args.tp)
+    if args.profile:  # a fitted GPU's efficiencies and overheads, on the model studied
+        fitted = load_profile(args.profile)
+        cost = replace(fitted, model=cost.model, hardware=cost.hardware, tp=args.tp)
     engine = SimEngineConfig(
         num_blocks=cost.kv_cache_blocks(16), max_num_batched_tokens=args.max_num_batched_tokens
     )
@@ -66,6 +70,11 @@ def add_parser(sub) -> None:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--num-gpus", type=int, default=4)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument(
+            "--profile",
+            default=None,
+            help="a fitted GPU step-time JSON (`kvray bench step-times --from-gpu`)",
+        )
 
     study = cmds.add_parser("study", help="goodput of PD splits vs colocated, SLO sweep, chunked prefill")
     gpu_args(study)

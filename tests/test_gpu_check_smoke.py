@@ -8,6 +8,7 @@ run fails here first.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,15 @@ def test_cpu_smoke_writes_every_table(tmp_path):
     assert "| split x" in report and "| plain |" in report  # both decode paths timed
     # 4 attention cases + cache writes, in 2 dtypes; the model-dtype and int8 caches
     assert report.count("| ok |") == 12
+    # the engine's steps for kvray.sim's fit: 3 decode steps of the batch of 4 (8-token
+    # prompts), then prompt steps of 1, 2 and 4 prompts
+    steps = json.loads((tmp_path / "gpu_step_times.json").read_text())
+    shapes = [[tuple(w) for w in s["batch"]] for s in steps["samples"]]
+    # 8 prompt tokens + the token sampled by the prompt step, the warm-up step and 3 timed ones:
+    # the next step computes position 13
+    assert shapes[0] == [(1, 8 + 1 + 1 + 3, True)] * 4
+    assert shapes[3:] == [[(8, 8, True)] * n for n in (1, 2, 4)]
+    assert all(s["seconds"] > 0 for s in steps["samples"]) and steps["hf_config"]["hidden_size"] == 128
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
