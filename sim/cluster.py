@@ -4,8 +4,9 @@ step, KV pulls take their time on the link.
 Events happen in time order (ties in the order they were made):
 
     arrive ──▶ route (prefill | mixed) ──▶ worker steps ... first token
-      PD:  prefill finished ──▶ route (decode) ──▶ reserve blocks ──▶ pull (bytes / link)
-           ──▶ pulled: the decode worker admits it, the prefill worker unpins ──▶ steps ...
+      PD:  prefill finished ──(1 hop)▶ the front routes decode ──(1 hop)▶ the decode worker
+           takes the first token (──(1 hop)▶ client) and reserves blocks ──▶ pull (bytes /
+           link) ──▶ pulled: it admits the request, the prefill worker unpins ──▶ steps ...
 
 The router sees what kvray's Router sees: load reports taken every `report_interval_s`
 (its health period) plus what it has routed since, and it chooses with the same functions
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -77,20 +77,20 @@ class ClusterSpec:
 
 
 class _RouterView:
-    """The router's picture of one pool: stale load reports plus its own routings."""
+    """The router's picture of one pool: the load reports of its last health round (every
+    `interval_s`, as kvray's Router probes) plus what it has routed since."""
 
     def __init__(self, workers: list[SimWorker], interval_s: float):
         self.workers = {w.worker_id: w for w in workers}
         self.loads = {w.worker_id: WorkerLoad(w.worker_id) for w in workers}
         self.interval_s = interval_s
-        self.next_report = 0.0
 
-    def current(self, now: float) -> list[WorkerLoad]:
-        if now >= self.next_report:  # a health round happened since: fresh reports
-            for wid, w in self.workers.items():
-                load = self.loads[wid]
-                load.num_requests, load.kv_usage, load.routed = w.num_requests, w.kv_usage, 0
-            self.next_report = (math.floor(now / self.interval_s) + 1) * self.interval_s
+    def report(self) -> None:
+        for wid, w in self.workers.items():
+            load = self.loads[wid]
+            load.num_requests, load.kv_usage, load.routed = w.num_requests, w.kv_usage, 0
+
+    def current(self) -> list[WorkerLoad]:
         return list(self.loads.values())
 
     def pick(self, chosen: WorkerLoad) -> SimWorker:
@@ -116,7 +116,8 @@ class Simulator:
         self.prompts: dict[str, list[int]] = {}
         self.budget: SLOBudget | None = None
         self.unsent: deque[SimRequest] = deque()  # waiting for a client slot (max_concurrency)
-        self.kicked: set[str] = set()  # workers with a step start pending now
+        self.kicked: set[str] = set()
+        self.num_reports = 0  # health rounds in the event queue  # workers with a step start pending now
 
     def _at(self, t: float, fn: Callable, *args, late: bool = False) -> None:
         """Run fn(*args) at time t; `late` ones after every other event of the same time."""
@@ -132,6 +133,16 @@ class Simulator:
         clients that keep at most that many requests in flight, sending the next when one
         finishes (`vllm bench serve --max-concurrency`; latencies count from the send)."""
         self.budget = budget
+        entry = self.pools["prefill" if self.spec.disaggregated else "mixed"][0].engine
+        for r in requests:
+            if r.prompt_len + r.output_len > entry.max_model_len:  # the real engine refuses it too
+                raise ValueError(
+                    f"{r.request_id}: prompt_len {r.prompt_len} + output_len {r.output_len} "
+                    f"exceeds max_model_len {entry.max_model_len}"
+                )
+        for view in self.views.values():
+            self.num_reports += 1
+            self._at(0.0, self._report, view)
         for r in requests:
             self.records[r.request_id] = RequestRecord(r.request_id, r.arrival_s, r.prompt_len, r.output_len)
         first = requests if max_concurrency is None else requests[:max_concurrency]
@@ -166,10 +177,18 @@ class Simulator:
         view = self.views[role]
         engine = self.pools[role][0].engine
         key = prefix_key(ids, engine.block_size, self.spec.affinity_blocks)
-        worker = view.pick(choose_prefill(view.current(self.now), key, self.spec.imbalance_threshold))
+        worker = view.pick(choose_prefill(view.current(), key, self.spec.imbalance_threshold))
         max_tokens = 1 if role == "prefill" else r.output_len
         req = worker.new_request(r.request_id, ids, max_tokens, r.arrival_s)
         self._at(self.now + self.spec.network_s, self._enqueue, worker, req)
+
+    def _report(self, view: _RouterView) -> None:
+        """A health round; the next one while anything else is still to happen."""
+        view.report()
+        self.num_reports -= 1
+        if len(self.events) > self.num_reports:
+            self.num_reports += 1
+            self._at(self.now + view.interval_s, self._report, view)
 
     def _enqueue(self, worker: SimWorker, req: Request) -> None:
         worker.add(req)
@@ -189,14 +208,17 @@ class Simulator:
             self._at(self.now + seconds, self._step_done, worker)
 
     def _step_done(self, worker: SimWorker) -> None:
+        n = self.spec.network_s
         for req in worker.finish_step():
-            self._token(req.request_id)
-            if worker.role == "prefill" and req.finished:
-                if self.records[req.request_id].done:  # a one-token output: nothing to pull
-                    worker.release_pin(req.request_id)
-                    self.prompts.pop(req.request_id)
-                else:
-                    self._hand_off(worker, req)
+            rid = req.request_id
+            if worker.role != "prefill":
+                self._token(rid)
+            elif self.records[rid].output_len == 1:  # the prefill's token is the whole output
+                self._token(rid)
+                worker.release_pin(rid)
+                self.prompts.pop(rid)
+            else:  # first token and ticket to the front, which hands both to a decode worker
+                self._at(self.now + n, self._hand_off, worker, req)
         self._kick(worker)
 
     def _token(self, request_id: str) -> None:
@@ -212,16 +234,23 @@ class Simulator:
             self._at(r.arrival_s, self._arrive, r)
 
     def _hand_off(self, prefill: SimWorker, done: Request) -> None:
-        rid = done.request_id
+        """At the front: route the decode side and send it the request."""
         view = self.views["decode"]
-        decode = view.pick(choose_decode(view.current(self.now)))
+        decode = view.pick(choose_decode(view.current()))
+        self._at(self.now + self.spec.network_s, self._admit, prefill, decode, done)
+
+    def _admit(self, prefill: SimWorker, decode: SimWorker, done: Request) -> None:
+        """At the decode worker: it takes the first token (its output goes to the front
+        from here, as `add_prefilled_request` makes it) and reserves blocks for the pull."""
+        rid = done.request_id
         req = decode.new_request(rid, self.prompts.pop(rid), self.records[rid].output_len, done.arrival_time)
         req.append_token(STAND_IN_TOKEN)  # the first token, sampled by the prefill
+        self._token(rid)
         if decode.reserve_pull(req):
             seconds = self.spec.decode.cost.kv_pull_s(
                 req.num_prompt_tokens, self.spec.kv_bandwidth, self.spec.kv_latency_s
             )
-            self._at(self.now + self.spec.network_s + seconds, self._pulled, prefill, decode, rid)
+            self._at(self.now + seconds, self._pulled, prefill, decode, rid)
         else:  # recomputed on the decode worker: the pin goes at once
             prefill.release_pin(rid)
             self._kick(decode)

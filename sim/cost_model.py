@@ -39,7 +39,7 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     dtype_bytes: int = 2
-    kv_dtype_bytes: int | None = None  # None: the model dtype's
+    kv_dtype_bytes: float | None = None  # None: the model dtype's (8-bit caches: codes + scales)
 
     @classmethod
     def from_hf_config(cls, name: str, cfg: dict, dtype_bytes: int = 2) -> ModelSpec:

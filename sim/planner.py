@@ -59,13 +59,13 @@ def prefill_rate(
 ) -> float:
     """Requests/s a prefill pool takes with its 90th-percentile TTFT within the SLO: each
     worker an M/G/1 queue (Poisson arrivals split evenly) whose service per prompt is its
-    share of a step packed with prompts like it (as many as the token budget holds; a long
-    one alone, chunk after chunk); p90 TTFT taken as the p90 step + 2.3 x the mean wait
-    (an exponential tail)."""
+    share of a step packed with prompts like it (as many as the token budget and
+    max_num_seqs hold; a long one alone, chunk after chunk); p90 TTFT taken as the p90 step
+    + the p90 wait (0 with probability 1 - rho, exponential beyond with the M/G/1 mean)."""
     budget = engine.max_num_batched_tokens
     steps, shares = [], []
     for n in prompt_lens:
-        k = max(1, budget // n)
+        k = max(1, min(budget // n, engine.max_num_seqs))
         seconds = (
             cost.predict([RequestWork(n, n, True)] * k) if n <= budget else prefill_seconds(cost, engine, n)
         )
@@ -80,7 +80,11 @@ def prefill_rate(
     def ttft90(rate: float) -> float:
         lam = rate / num_workers
         rho = lam * mean
-        return math.inf if rho >= 1 else p90 + 2.3 * lam * second / (2 * (1 - rho))
+        if rho >= 1:
+            return math.inf
+        wait = lam * second / (2 * (1 - rho))  # Pollaczek-Khinchine mean wait
+        # the wait is 0 with probability 1 - rho and about exponential beyond: its p90
+        return p90 + (wait / rho * math.log(10 * rho) if rho > 0.1 else 0.0)
 
     lo, hi = 0.0, num_workers / mean
     for _ in range(40):
@@ -130,5 +134,9 @@ def ratio_for(
             decode_rate(cost, engine, mean_p + mean_o / 2, mean_o, num_workers - p, work.slo.tpot_s),
         )
         splits.append((take, p))
-    _, p = max(splits)
+    take, p = max(splits, key=lambda t: (t[0], -t[1]))  # ties: fewer prefill workers
+    if take <= 0:
+        raise ValueError(
+            f"no P:D split of {num_workers} workers meets the SLOs {work.slo} for {work.mix.name}"
+        )
     return p, num_workers - p

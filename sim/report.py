@@ -18,6 +18,10 @@ BUDGETS = (512, 2048, 16384)  # 16384: larger than any prompt, so no prompt is c
 ITERS = 4  # bisection steps of each goodput: to within 2^(1/16), about 4 %
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b and b != float("inf") else "-"
+
+
 def _table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -56,13 +60,16 @@ def _one_workload(name: str, work: Workload, cost, engine, num_gpus: int) -> dic
         f"SLO TTFT {work.slo.ttft_s * 1e3:.0f} ms, TPOT {work.slo.tpot_s * 1e3:.0f} ms (90 % of requests)\n"
     )
     specs = candidates(cost, engine, num_gpus)
+    if len(specs) < 2:
+        raise ValueError(f"--num-gpus {num_gpus} with TP {cost.tp}: a PD split needs 2 TP groups or more")
+    num_gpus = specs[0].num_gpus  # what the groups use (a remainder of num_gpus % tp idles)
     colocated = goodput(specs[0], work, iters=ITERS, guess=4.0 * num_gpus)
     rows = [(specs[0], colocated)] + [(s, goodput(s, work, iters=ITERS, guess=colocated)) for s in specs[1:]]
     p, d = ratio_for(work, cost, engine, num_gpus // cost.tp)
     print(
         _table(
             ["cluster", "goodput req/s", "per GPU", "vs colocated"],
-            [[s.name, f"{g:.2f}", f"{g / s.num_gpus:.2f}", f"{g / colocated:.2f}x"] for s, g in rows],
+            [[s.name, f"{g:.2f}", f"{g / s.num_gpus:.2f}", _ratio(g, colocated)] for s, g in rows],
         )
     )
     best_pd = max(rows[1:], key=lambda r: r[1])[0]
@@ -78,7 +85,7 @@ def _one_workload(name: str, work: Workload, cost, engine, num_gpus: int) -> dic
     print(
         _table(
             ["SLO scale", "colocated per GPU", f"{best_pd.name} per GPU", "PD / colocated"],
-            [[k, f"{c:.2f}", f"{q:.2f}", f"{q / c:.2f}x" if c else "-"] for k, c, q in sweep],
+            [[k, f"{c:.2f}", f"{q:.2f}", _ratio(q, c)] for k, c, q in sweep],
         )
     )
 

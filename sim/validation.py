@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -22,6 +23,7 @@ from kvray.sim.workload import SimRequest, arrival_times
 
 PROFILES = Path(__file__).parent / "profiles"
 ENGINE_DEFAULTS = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048}
+CPU_KV_BYTES = 1 << 30  # EngineConfig's KV budget on a CPU when the config names none
 COMPARED = (
     "output_throughput",
     "mean_ttft_ms",
@@ -55,8 +57,11 @@ def cluster_from_config(config: dict, profile: str | None = None, network_s: flo
     def pool(role: str) -> PoolSpec:
         p = config.get(role, {})
         cost = _profile(int(p.get("torch_threads") or 2), profile)
+        if engine_args.get("kv_cache_dtype", "auto") in ("int8", "fp8_e4m3"):
+            d = cost.model.head_dim  # per token and head: d one-byte codes and a 4-byte scale
+            cost = replace(cost, model=replace(cost.model, kv_dtype_bytes=(d + 4) / d))
         block_bytes = cost.model.kv_bytes_per_token * engine_args["block_size"]
-        num_blocks = int(engine_args.get("kv_cache_memory_bytes") or 256 << 20) // block_bytes
+        num_blocks = int(int(engine_args.get("kv_cache_memory_bytes") or CPU_KV_BYTES) // block_bytes)
         engine = SimEngineConfig(
             num_blocks=num_blocks,
             block_size=engine_args["block_size"],
@@ -73,19 +78,24 @@ def cluster_from_config(config: dict, profile: str | None = None, network_s: flo
 
 
 def requests_from_result(result: dict) -> list[SimRequest]:
+    """The run's requests in send order; those that failed there (an error, no output) are
+    left out."""
+    errors = result.get("errors") or [""] * len(result["input_lens"])
     n = len(result["input_lens"])
     rate = result.get("request_rate", "inf")
     rate = math.inf if rate in ("inf", None) else float(rate)
     times = arrival_times(n, rate, float(result.get("burstiness") or 1.0))
     return [
         SimRequest(f"r{i}", t, int(p), int(o))
-        for i, (t, p, o) in enumerate(zip(times, result["input_lens"], result["output_lens"]))
+        for i, (t, p, o, e) in enumerate(zip(times, result["input_lens"], result["output_lens"], errors))
+        if not e and int(o) > 0
     ]
 
 
 def predict(config: dict, result: dict, profile: str | None = None, network_s: float = 0.0) -> SimResult:
     spec = cluster_from_config(config, profile, network_s)
-    return simulate(spec, requests_from_result(result), max_concurrency=result.get("max_concurrency"))
+    concurrency = result.get("max_concurrency") or None  # 0 or none: unlimited, as the bench reads it
+    return simulate(spec, requests_from_result(result), max_concurrency=concurrency)
 
 
 def compare(measured: dict, simulated: dict) -> list[tuple[str, float, float, float]]:

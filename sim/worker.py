@@ -38,6 +38,13 @@ class SimEngineConfig:
     enable_prefix_caching: bool = True
     policy: Policy = "fcfs"
 
+    def __post_init__(self) -> None:
+        if self.num_blocks * self.block_size < self.max_model_len:  # the runner refuses it too
+            raise ValueError(
+                f"num_blocks: {self.num_blocks} blocks of {self.block_size} tokens hold less than one "
+                f"max_model_len ({self.max_model_len}) request: more memory, a larger tp or a shorter context"
+            )
+
 
 def batch_of(out: SchedulerOutput) -> list[RequestWork]:
     """The step's work, as the cost model reads it."""

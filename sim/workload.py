@@ -129,6 +129,10 @@ def load_trace(path: str | Path) -> list[SimRequest]:
             raise ValueError(f"{path}: row {i + 1}: needs time, prompt_len, output_len ({e})") from None
         if out[-1].prompt_len < 1 or out[-1].output_len < 1:
             raise ValueError(f"{path}: row {i + 1}: prompt_len and output_len must be >= 1")
+        if out[-1].prefix_len >= out[-1].prompt_len:
+            raise ValueError(
+                f"{path}: row {i + 1}: prefix_len must be below prompt_len ({out[-1].prompt_len})"
+            )
     return sorted(out, key=lambda r: r.arrival_s)
 
 

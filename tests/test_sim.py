@@ -35,6 +35,7 @@ STEP = StepTimeModel(TINY, IDEAL, overhead_s=0.01, per_seq_s=0.0)  # every step 
 
 
 def engine(num_blocks=64, budget=16, **kw) -> SimEngineConfig:
+    kw.setdefault("max_model_len", num_blocks * 16)
     return SimEngineConfig(num_blocks=num_blocks, block_size=16, max_num_batched_tokens=budget, **kw)
 
 
@@ -251,3 +252,32 @@ def test_the_analytic_planner_picks_the_simulators_best_split_on_contrasting_wor
         chosen[name] = ratio_for(work, cost, eng, 4)
         assert chosen[name] == (best.prefill.num_workers, best.decode.num_workers), (name, rates)
     assert chosen == {"prompt-heavy": (3, 1), "output-heavy": (1, 3)}
+
+
+def test_requests_sent_at_the_same_instant_join_the_same_step():
+    # a's last token frees a client slot at 10 ms: c is sent then, and the step starting at
+    # 10 ms must take it along with b (events of one instant all run before a step starts)
+    reqs = [SimRequest("a", 0.0, 8, 1), SimRequest("b", 0.0, 8, 5), SimRequest("c", 0.0, 8, 2)]
+    res = Simulator(ClusterSpec(mixed=PoolSpec(1, engine(budget=16), STEP))).run(reqs, max_concurrency=2)
+    assert res.records[2].token_times == pytest.approx([0.02, 0.03])
+
+
+def test_pd_first_token_reaches_the_client_through_the_decode_worker():
+    spec = ClusterSpec(
+        prefill=PoolSpec(1, engine(budget=64), STEP),
+        decode=PoolSpec(1, engine(budget=64), STEP),
+        network_s=0.001,
+        kv_bandwidth=1e30,
+        kv_latency_s=0.05,
+    )
+    _, res = run(spec, [SimRequest("a", 0.0, 32, 3)])
+    # to prefill 1 ms, step 1-11, to the front 12, to decode 13 (first token out: 14),
+    # pull 13-63, decode steps 63-73 and 73-83 (+1 ms each to the client)
+    assert res.records[0].token_times == pytest.approx([0.014, 0.074, 0.084])
+
+
+def test_impossible_requests_and_budgets_are_refused_up_front():
+    with pytest.raises(ValueError, match="max_model_len"):
+        run(ClusterSpec(mixed=PoolSpec(1, engine(num_blocks=4), STEP)), [SimRequest("a", 0.0, 60, 10)])
+    with pytest.raises(ValueError, match="num_blocks"):
+        SimEngineConfig(num_blocks=4, block_size=16, max_model_len=128)

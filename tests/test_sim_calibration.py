@@ -81,6 +81,8 @@ def test_a_bench_result_becomes_the_simulated_load_and_every_request_finishes():
 
 
 def test_the_shipped_profiles_load_and_predict_growing_step_times():
+    names = {p.name for p in PROFILES.glob("*.json")}
+    assert {"cpu-t1.json", "cpu-t2.json", "cpu-t1-served.json", "cpu-t2-served.json"} <= names
     for path in sorted(PROFILES.glob("cpu-t*.json")):
         model = StepTimeModel.from_dict(json.loads(path.read_text())["fit"])
         from kvray.sim import RequestWork
