@@ -117,7 +117,8 @@ class Simulator:
         self.budget: SLOBudget | None = None
         self.unsent: deque[SimRequest] = deque()  # waiting for a client slot (max_concurrency)
         self.kicked: set[str] = set()
-        self.num_reports = 0  # health rounds in the event queue  # workers with a step start pending now
+        self.num_reports = 0  # health rounds in the event queue
+        self.link_free: dict[str, float] = {}  # decode worker id -> when its link is free  # workers with a step start pending now
 
     def _at(self, t: float, fn: Callable, *args, late: bool = False) -> None:
         """Run fn(*args) at time t; `late` ones after every other event of the same time."""
@@ -250,7 +251,10 @@ class Simulator:
             seconds = self.spec.decode.cost.kv_pull_s(
                 req.num_prompt_tokens, self.spec.kv_bandwidth, self.spec.kv_latency_s
             )
-            self._at(self.now + seconds, self._pulled, prefill, decode, rid)
+            # a decode worker's link carries one pull at a time: later ones queue behind it
+            start = max(self.now, self.link_free.get(decode.worker_id, 0.0))
+            self.link_free[decode.worker_id] = start + seconds
+            self._at(start + seconds, self._pulled, prefill, decode, rid)
         else:  # recomputed on the decode worker: the pin goes at once
             prefill.release_pin(rid)
             self._kick(decode)

@@ -281,3 +281,15 @@ def test_impossible_requests_and_budgets_are_refused_up_front():
         run(ClusterSpec(mixed=PoolSpec(1, engine(num_blocks=4), STEP)), [SimRequest("a", 0.0, 60, 10)])
     with pytest.raises(ValueError, match="num_blocks"):
         SimEngineConfig(num_blocks=4, block_size=16, max_model_len=128)
+
+
+def test_pulls_into_one_decode_worker_queue_on_its_link():
+    spec = ClusterSpec(
+        prefill=PoolSpec(1, engine(budget=64), STEP),
+        decode=PoolSpec(1, engine(budget=64), STEP),
+        kv_bandwidth=1e30,
+        kv_latency_s=0.05,
+    )
+    _, res = run(spec, [SimRequest("a", 0.0, 24, 2), SimRequest("b", 0.0, 24, 2)])
+    # both prompts in one 10 ms prefill step; a's pull 10-60 ms, b's 60-110 ms
+    assert [r.token_times for r in res.records] == [pytest.approx([0.01, 0.07]), pytest.approx([0.01, 0.12])]
