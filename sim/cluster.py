@@ -116,9 +116,9 @@ class Simulator:
         self.prompts: dict[str, list[int]] = {}
         self.budget: SLOBudget | None = None
         self.unsent: deque[SimRequest] = deque()  # waiting for a client slot (max_concurrency)
-        self.kicked: set[str] = set()
+        self.kicked: set[str] = set()  # workers with a step start pending now
         self.num_reports = 0  # health rounds in the event queue
-        self.link_free: dict[str, float] = {}  # decode worker id -> when its link is free  # workers with a step start pending now
+        self.link_free: dict[str, float] = {}  # decode worker id -> when its link is free
 
     def _at(self, t: float, fn: Callable, *args, late: bool = False) -> None:
         """Run fn(*args) at time t; `late` ones after every other event of the same time."""
