@@ -53,6 +53,27 @@ def _plan(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    """One cluster under one load (a trace file or a mix at a rate): vllm bench serve's keys."""
+    from kvray.sim.cluster import simulate
+    from kvray.sim.studies import colocated_cluster, pd_cluster
+    from kvray.sim.workload import MIXES, load_trace, synthetic
+
+    cost, engine = _gpu_setup(args)
+    if args.trace:
+        reqs = load_trace(args.trace)
+    else:
+        reqs = synthetic(MIXES[args.mix], args.num_prompts, args.request_rate, args.burstiness, args.seed)
+    if args.pd:
+        p, d = (int(x) for x in args.pd.split(":"))
+        spec = pd_cluster(cost, engine, p, d)
+    else:
+        spec = colocated_cluster(cost, engine, args.num_gpus // cost.tp)
+    summary = simulate(spec, reqs, max_concurrency=args.max_concurrency).summary()
+    print(json.dumps({"cluster": spec.name, "num_gpus": spec.num_gpus, **summary}, indent=1))
+    return 0
+
+
 def _validate(args) -> int:
     from kvray.sim.validation import validate
 
@@ -89,6 +110,22 @@ def add_parser(sub) -> None:
     pl.add_argument("--workload", default="chatbot", help="chatbot | summarization")
     pl.add_argument("--simulate", action="store_true")
     pl.set_defaults(func=_plan)
+
+    one = cmds.add_parser("run", help="one cluster under a trace or a mix: the vllm bench serve summary")
+    gpu_args(one)
+    one.add_argument("--pd", default=None, metavar="P:D", help="prefill:decode workers (default: colocated)")
+    one.add_argument(
+        "--trace", default=None, help="CSV or JSON lines: time, prompt_len, output_len[, prefix_id]"
+    )
+    one.add_argument(
+        "--mix", default="chatbot", help="chatbot | summarization | code | cpu-mix (without --trace)"
+    )
+    one.add_argument("--num-prompts", type=int, default=500)
+    one.add_argument("--request-rate", type=float, default=10.0)
+    one.add_argument("--burstiness", type=float, default=1.0)
+    one.add_argument("--max-concurrency", type=int, default=None)
+    one.add_argument("--seed", type=int, default=0)
+    one.set_defaults(func=_run)
 
     val = cmds.add_parser("validate", help="predict a measured `kvray bench serve` run of a preset")
     val.add_argument("--config", required=True, help="the serve config the run used")

@@ -94,3 +94,12 @@ def test_the_shipped_profiles_load_and_predict_growing_step_times():
 def test_kvray_sim_plan_prints_the_analytic_ratio(capsys):
     assert kvray_main(["sim", "plan", "--workload", "summarization", "--num-gpus", "4"]) == 0
     assert "analytic P:D = 3:1" in capsys.readouterr().out
+
+
+def test_kvray_sim_run_simulates_a_trace(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("time,prompt_len,output_len,prefix_id,prefix_len\n0.0,500,50,1,256\n0.1,600,40,1,256\n")
+    assert kvray_main(["sim", "run", "--pd", "1:1", "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"] == "PD 1:1" and out["completed"] == 2 and out["total_output_tokens"] == 90
+    assert 0 < out["mean_ttft_ms"] < out["mean_e2el_ms"]
