@@ -3,6 +3,7 @@
 from kvray.configs.deployment import (
     DeploymentConfig,
     KVTransferConfig,
+    PlannerConfig,
     PoolAutoscaling,
     PoolConfig,
     RouterConfig,
@@ -12,6 +13,7 @@ from kvray.configs.serve import ServeConfig
 __all__ = [
     "DeploymentConfig",
     "KVTransferConfig",
+    "PlannerConfig",
     "PoolAutoscaling",
     "PoolConfig",
     "RouterConfig",

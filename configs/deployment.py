@@ -15,6 +15,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PlannerConfig(_Strict):
+    """Size the pool from kvray.sim's planner: the app's measured request rate and mean
+    prompt and output lengths (the ingresses' published request metrics) against what one
+    worker of this pool takes within the SLOs, read off a step-time model. The planner's
+    ask joins the pool's other signals (the largest ask wins), so with a planner block on
+    both pools of a PD app the prefill:decode ratio follows the measured token rates."""
+
+    ttft_seconds: float = Field(gt=0)  # the SLOs the pool must meet (90th percentile TTFT)
+    tpot_seconds: float = Field(gt=0)
+    # the step-time model: a fitted profile (`kvray bench step-times`), else `model` on
+    # `gpu` (kvray.sim's datasheet table) at tensor-parallel size `tp`
+    profile: str | None = None
+    model: str = "llama-3.1-8b"
+    gpu: str = "H100"
+    tp: int = Field(1, ge=1)
+    window_seconds: float = Field(30.0, gt=0)  # rates are measured over this much time
+
+
 class PoolAutoscaling(_Strict):
     """A pool's worker count follows its LLM signals (Ray Serve autoscaling with kvray's
     policy, `kvray.router.autoscaling`): each signal asks for enough workers to bring it
@@ -37,6 +55,7 @@ class PoolAutoscaling(_Strict):
     target_kv_cache_usage: float | None = Field(0.8, gt=0, le=1)
     target_running_requests: int | None = Field(32, ge=1)
     target_itl_seconds: float | None = Field(None, gt=0)
+    planner: PlannerConfig | None = None  # kvray.sim's sizing from measured rates and SLOs
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolAutoscaling:

@@ -174,21 +174,6 @@ def _any_waiting(waiting: dict[str, dict[str, float]]) -> bool:
     return any(v for signals in waiting.values() for v in signals.values())
 
 
-def _metrics_key(app_name: str, front_id: str = "") -> bytes:
-    return f"kvray/{app_name}/front-metrics/{front_id}".encode()
-
-
-def _published_metrics(app_name: str, skip: str) -> list[dict]:
-    """Every other ingress replica's last published request metrics (also those of
-    replicas that are gone: their counts stay in the app's totals)."""
-    from ray.experimental import internal_kv
-
-    prefix = _metrics_key(app_name)
-    keys = [k for k in internal_kv._internal_kv_list(prefix) if k != _metrics_key(app_name, skip)]
-    values = [internal_kv._internal_kv_get(k) for k in keys]
-    return [json.loads(v) for v in values if v]
-
-
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -210,7 +195,7 @@ class OpenAIIngress:
     async def _publish_metrics(self) -> None:
         from ray.experimental import internal_kv
 
-        key = _metrics_key(self.config.app_name, self.front_id)
+        key = metrics.front_key(self.config.app_name, self.front_id)
         stats, published = self.frontend.stats, -1
         waiting_sent, waiting_at = {}, 0.0
         while True:
@@ -299,7 +284,7 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         workers = await self.router.worker_stats.remote()
-        others = await asyncio.to_thread(_published_metrics, self.config.app_name, self.front_id)
+        others = await asyncio.to_thread(metrics.published, self.config.app_name, self.front_id)
         requests = metrics.merge([self.frontend.stats.snapshot(), *others])
         text = metrics.render(self.config.model_name, requests, workers)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")

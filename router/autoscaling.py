@@ -101,13 +101,30 @@ class PoolPolicy:
     ingresses for this pool (default: `read_waiting` of the app; a test passes its own)."""
 
     def __init__(
-        self, role: str, targets: dict, app_name: str = "", waiting: Callable[[], dict] | None = None
+        self,
+        role: str,
+        targets: dict,
+        app_name: str = "",
+        waiting: Callable[[], dict] | None = None,
+        planner: dict | None = None,
+        engine: dict | None = None,
+        totals: Callable[[], tuple[float, float, float]] | None = None,
     ):
+        """`planner` (a PlannerConfig's fields) adds kvray.sim's sizing from the app's
+        measured rates (`totals`: cumulative finished requests, prompt and output tokens;
+        default: the ingresses' published request metrics)."""
         self.role = role
         self.targets = targets
         self.waiting = waiting or (lambda: read_waiting(app_name, role) if app_name else {})
         self.last_waiting: dict[str, float] = {}
         self.read_at = float("-inf")
+        self.sizing = None
+        if planner is not None:
+            from kvray.router.planner_sizing import PlannerSizing, request_totals
+
+            self.sizing = PlannerSizing(
+                role, planner, engine or {}, totals or (lambda: request_totals(app_name))
+            )
 
     def __call__(self, ctx) -> tuple[int, dict]:
         aggregated = ctx.aggregated_metrics or {}
@@ -116,6 +133,10 @@ class PoolPolicy:
             if signal in SUMMED and value:  # one more addend of the sum
                 metrics.setdefault(signal, []).append(value)
         want = desired_workers(self.role, self.targets, ctx.current_num_replicas, metrics)
+        if self.sizing is not None:
+            planned = self.sizing.ask()
+            if planned is not None:
+                want = planned if not metrics else max(want, planned)
         return max(want, 1), ctx.policy_state
 
     def _waiting(self) -> dict[str, float]:
@@ -128,10 +149,14 @@ class PoolPolicy:
         return self.last_waiting
 
 
-def autoscaling_config(role: str, pool: PoolConfig, app_name: str = "") -> dict:
-    """Serve's autoscaling_config for the pool (bounds, delays, kvray's policy)."""
+def autoscaling_config(role: str, pool: PoolConfig, app_name: str = "", engine: dict | None = None) -> dict:
+    """Serve's autoscaling_config for the pool (bounds, delays, kvray's policy; `engine`:
+    the pool's engine arguments, for a planner block)."""
     a: PoolAutoscaling = pool.autoscaling
     targets = a.model_dump(include=set(SUMMED.values()) | set(MEANS.values()))
+    kwargs = {"role": role, "targets": targets, "app_name": app_name}
+    if a.planner is not None:
+        kwargs |= {"planner": a.planner.model_dump(), "engine": dict(engine or {})}
     return {
         "min_replicas": a.min_workers,
         "max_replicas": a.max_workers,
@@ -141,6 +166,6 @@ def autoscaling_config(role: str, pool: PoolConfig, app_name: str = "") -> dict:
         "look_back_period_s": a.look_back_period_s,
         "policy": {
             "policy_function": POLICY,
-            "policy_kwargs": {"role": role, "targets": targets, "app_name": app_name},
+            "policy_kwargs": kwargs,
         },
     }

@@ -13,6 +13,7 @@ keeps its own cumulative KV-pull histogram, so who reads it does not matter.
 from __future__ import annotations
 
 import bisect
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -85,6 +86,25 @@ class RequestStats:
 
     def snapshot(self) -> dict:
         return self.data
+
+
+def front_key(app_name: str, front_id: str = "") -> bytes:
+    """Where an ingress replica publishes its request metrics in Ray's cluster KV."""
+    return f"kvray/{app_name}/front-metrics/{front_id}".encode()
+
+
+def published(app_name: str, skip: str = "") -> list[dict]:
+    """Every ingress replica's last published request metrics but `skip`'s (also those of
+    replicas that are gone: their counts stay in the app's totals)."""
+    from ray.experimental import internal_kv
+
+    keys = [
+        k
+        for k in internal_kv._internal_kv_list(front_key(app_name))
+        if not skip or k != front_key(app_name, skip)
+    ]
+    values = [internal_kv._internal_kv_get(k) for k in keys]
+    return [json.loads(v) for v in values if v]
 
 
 def merge(snapshots: list[dict]) -> dict:

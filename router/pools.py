@@ -84,5 +84,5 @@ def pool_deployment(cfg: ServeConfig, role: str) -> serve.Application:
     if pool.autoscaling is None:
         options["num_replicas"] = pool.num_workers
     else:
-        options["autoscaling_config"] = autoscaling_config(role, pool, cfg.app_name)
+        options["autoscaling_config"] = autoscaling_config(role, pool, cfg.app_name, engine)
     return PoolReplica.options(**options).bind(role, cfg.model_dump())

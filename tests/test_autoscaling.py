@@ -5,13 +5,14 @@ the prefill pool, each shrinking back after idle.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from kvray.configs import PoolConfig
+from kvray.configs import PlannerConfig, PoolAutoscaling, PoolConfig
 from kvray.router.autoscaling import PoolPolicy, autoscaling_config, desired_workers
 
 TARGETS = {
@@ -237,3 +238,50 @@ def test_a_router_restart_breaks_no_stream_and_finds_the_workers_again(local_ser
         assert ingress.generate.remote(request).result(timeout_s=120)["usage"]["completion_tokens"] == 3
     finally:
         serve.delete("kvray")
+
+
+def test_a_planner_block_sizes_each_pool_from_the_measured_rates():
+    """The rates come from differencing the app's cumulative request counts; each pool asks
+    for rate / what one of its workers takes within the SLOs (kvray.sim's planner)."""
+    from kvray.router.planner_sizing import PlannerSizing
+    from kvray.sim.planner import decode_rate, prefill_rate
+
+    planner = {"ttft_seconds": 1.5, "tpot_seconds": 0.025, "model": "llama-3.1-8b", "gpu": "H100"}
+    engine = {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "max_model_len": 8192}
+    asks = {}
+    for name, (rate, prompt, output) in {"summaries": (40.0, 1740, 90), "chat": (80.0, 760, 200)}.items():
+        for role in ("prefill", "decode"):
+            now = [0.0]
+            done = iter([(0.0, 0.0, 0.0), (rate * 10, rate * 10 * prompt, rate * 10 * output)])
+            sizing = PlannerSizing(role, planner, engine, lambda d=done: next(d), clock=lambda n=now: n[0])
+            assert sizing.ask() is None  # one reading: no rate yet
+            now[0] = 10.0
+            asks[name, role] = sizing.ask()
+        cost, eng = sizing.cost, sizing.engine
+        assert asks[name, "prefill"] == math.ceil(rate / prefill_rate(cost, eng, [prompt], 1, 1.5))
+        ctx_len = prompt + output / 2
+        assert asks[name, "decode"] == math.ceil(rate / decode_rate(cost, eng, ctx_len, output, 1, 0.025))
+    # long prompts with short answers want more prefill than decode workers; chat the reverse mix
+    assert asks["summaries", "prefill"] > asks["summaries", "decode"]
+    ratio = {n: asks[n, "prefill"] / asks[n, "decode"] for n in ("summaries", "chat")}
+    assert ratio["summaries"] > ratio["chat"]
+
+
+def test_the_planners_ask_joins_the_pools_other_signals():
+    planner = {"ttft_seconds": 1.5, "tpot_seconds": 0.025}
+    engine = {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "max_model_len": 8192}
+    totals = iter([(0.0, 0.0, 0.0), (400.0, 400.0 * 1740, 400.0 * 90)])
+    policy = PoolPolicy("prefill", TARGETS, planner=planner, engine=engine, totals=lambda: next(totals))
+    policy.sizing.clock = iter([0.0, 10.0]).__next__
+    ctx = SimpleNamespace(aggregated_metrics={}, current_num_replicas=1, policy_state={})
+    assert policy(ctx)[0] == 1  # no rate yet, no signals: at least one
+    planned = policy(ctx)[0]
+    assert planned > 1  # 40 req/s of 1,740-token prompts need more than one H100
+    cfg = autoscaling_config(
+        "prefill",
+        PoolConfig(autoscaling=PoolAutoscaling(planner=PlannerConfig(**planner))),
+        "app",
+        engine,
+    )
+    assert cfg["policy"]["policy_kwargs"]["planner"]["ttft_seconds"] == 1.5
+    assert cfg["policy"]["policy_kwargs"]["engine"] == engine

@@ -1,0 +1,100 @@
+"""A pool's size from kvray.sim's planner, for the autoscaling policy's `planner:` block.
+
+The app's request rate and mean prompt and output lengths come from the ingresses'
+published request metrics (cumulative counts, differenced over `window_seconds`); what one
+worker of the pool takes within the SLOs comes from `kvray.sim.planner` (a prefill worker as
+an M/G/1 queue against the TTFT SLO, a decode worker as the largest batch whose step meets
+the TPOT SLO) over a step-time model. Asking each pool for rate / capacity workers makes
+the prefill:decode ratio follow the measured token rates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from kvray.configs import PlannerConfig
+from kvray.sim.cost_model import HARDWARE, MODELS, StepTimeModel
+from kvray.sim.planner import decode_rate, prefill_rate
+from kvray.sim.worker import SimEngineConfig
+
+CPU_KV_BYTES = 1 << 30  # EngineConfig's KV budget on a CPU when none is named
+
+
+def request_totals(app_name: str) -> tuple[float, float, float]:
+    """(finished requests, their prompt tokens, their output tokens) over every ingress."""
+    from kvray.router import metrics
+
+    total = metrics.merge(metrics.published(app_name))
+    return (
+        float(sum(total["success"].values())),
+        float(total["count"].get("prompt_tokens", 0)),
+        float(total["count"].get("generation_tokens", 0)),
+    )
+
+
+def step_model(cfg: PlannerConfig) -> StepTimeModel:
+    if cfg.profile:
+        fitted = StepTimeModel.from_dict(json.loads(Path(cfg.profile).read_text())["fit"])
+        return replace(fitted, tp=cfg.tp)
+    return StepTimeModel(MODELS[cfg.model], HARDWARE[cfg.gpu], tp=cfg.tp)
+
+
+class PlannerSizing:
+    def __init__(
+        self,
+        role: str,
+        planner: dict,
+        engine: dict,
+        totals: Callable[[], tuple[float, float, float]],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.role = role
+        self.cfg = PlannerConfig(**planner)
+        self.cost = step_model(self.cfg)
+        block = int(engine.get("block_size", 16))
+        if self.cfg.profile:  # a CPU profile: the engine's KV budget in bytes
+            budget = int(engine.get("kv_cache_memory_bytes") or CPU_KV_BYTES)
+            num_blocks = budget // (self.cost.model.kv_bytes_per_token * block)
+        else:
+            num_blocks = self.cost.kv_cache_blocks(block, float(engine.get("gpu_memory_utilization", 0.9)))
+        self.engine = SimEngineConfig(
+            num_blocks=int(num_blocks),
+            block_size=block,
+            max_num_seqs=int(engine.get("max_num_seqs", 64)),
+            max_num_batched_tokens=int(engine.get("max_num_batched_tokens", 512)),
+            max_model_len=int(engine.get("max_model_len") or 2048),
+        )
+        self.totals = totals
+        self.clock = clock
+        self.history: deque[tuple[float, tuple[float, float, float]]] = deque()
+
+    def ask(self) -> int | None:
+        """Workers this pool needs for the rate of the last window; None until a window
+        holds finished requests (the pool's other signals decide meanwhile)."""
+        now = self.clock()
+        self.history.append((now, self.totals()))
+        while len(self.history) > 2 and now - self.history[1][0] >= self.cfg.window_seconds:
+            self.history.popleft()
+        (t0, (r0, p0, o0)), (t1, (r1, p1, o1)) = self.history[0], self.history[-1]
+        if t1 - t0 <= 0 or r1 <= r0:
+            return None
+        rate = (r1 - r0) / (t1 - t0)
+        prompt, output = (p1 - p0) / (r1 - r0), (o1 - o0) / (r1 - r0)
+        per_worker = self.per_worker(prompt, output)
+        return math.ceil(rate / per_worker) if per_worker > 0 else None
+
+    def per_worker(self, prompt: float, output: float) -> float:
+        """Requests/s one worker of this pool takes within the SLOs."""
+        prefill = prefill_rate(self.cost, self.engine, [max(1, round(prompt))], 1, self.cfg.ttft_seconds)
+        decode = decode_rate(self.cost, self.engine, prompt + output / 2, output, 1, self.cfg.tpot_seconds)
+        if self.role == "prefill":
+            return prefill
+        if self.role == "decode":
+            return decode
+        return 1 / (1 / prefill + 1 / decode) if prefill > 0 and decode > 0 else 0.0  # mixed: both
