@@ -19,11 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvray.configs import PlannerConfig
+from kvray.engine.config import DEFAULT_CPU_KV_BYTES
 from kvray.sim.cost_model import HARDWARE, MODELS, StepTimeModel
 from kvray.sim.planner import decode_rate, prefill_rate
 from kvray.sim.worker import SimEngineConfig
-
-CPU_KV_BYTES = 1 << 30  # EngineConfig's KV budget on a CPU when none is named
 
 
 def request_totals(app_name: str) -> tuple[float, float, float]:
@@ -59,8 +58,9 @@ class PlannerSizing:
         self.cost = step_model(self.cfg)
         block = int(engine.get("block_size", 16))
         if self.cfg.profile:  # a CPU profile: the engine's KV budget in bytes
-            budget = int(engine.get("kv_cache_memory_bytes") or CPU_KV_BYTES)
-            num_blocks = budget // (self.cost.model.kv_bytes_per_token * block)
+            num_blocks = self.cost.blocks_in(
+                engine.get("kv_cache_memory_bytes") or DEFAULT_CPU_KV_BYTES, block
+            )
         else:
             num_blocks = self.cost.kv_cache_blocks(block, float(engine.get("gpu_memory_utilization", 0.9)))
         self.engine = SimEngineConfig(

@@ -21,9 +21,10 @@ two overheads are fitted to step times measured on the machine
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
+
+from kvray.sim.results import percentile
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class StepTimeModel:
     eff_attention: float = 0.4
     overhead_s: float = 3e-3  # per step: scheduling, launches, sampling, the host's share
     per_seq_s: float = 20e-6  # per request in the step: its metadata, outputs, detokenizing
-    source: str = "GPU_DEFAULTS (not fitted)"  # where the four numbers come from
+    source: str = "GPU_DEFAULTS (not fitted)"  # where the numbers above come from
 
     def predict(self, batch: Sequence[RequestWork]) -> float:
         if not batch:
@@ -183,6 +184,10 @@ class StepTimeModel:
         free = self.hardware.memory_bytes * memory_fraction - self.model.weight_bytes / self.tp
         per_block = self.model.kv_bytes_per_token * block_size / self.tp
         return max(0, int(free // per_block))
+
+    def blocks_in(self, budget_bytes: float, block_size: int) -> int:
+        """Blocks a KV budget of `budget_bytes` per device holds (`kv_cache_memory_bytes`)."""
+        return int(budget_bytes * self.tp // (self.model.kv_bytes_per_token * block_size))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -296,8 +301,4 @@ def relative_errors(model: StepTimeModel, samples: Iterable[StepSample]) -> list
 
 
 def median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    if not s:
-        return math.nan
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+    return percentile(xs, 50)

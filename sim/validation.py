@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from kvray.engine.config import DEFAULT_CPU_KV_BYTES
 from kvray.sim.cluster import ClusterSpec, PoolSpec, simulate
 from kvray.sim.cost_model import StepTimeModel
 from kvray.sim.results import SimResult
@@ -23,7 +24,6 @@ from kvray.sim.workload import SimRequest, arrival_times
 
 PROFILES = Path(__file__).parent / "profiles"
 ENGINE_DEFAULTS = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048}
-CPU_KV_BYTES = 1 << 30  # EngineConfig's KV budget on a CPU when the config names none
 COMPARED = (
     "output_throughput",
     "mean_ttft_ms",
@@ -60,8 +60,8 @@ def cluster_from_config(config: dict, profile: str | None = None, network_s: flo
         if engine_args.get("kv_cache_dtype", "auto") in ("int8", "fp8_e4m3"):
             d = cost.model.head_dim  # per token and head: d one-byte codes and a 4-byte scale
             cost = replace(cost, model=replace(cost.model, kv_dtype_bytes=(d + 4) / d))
-        block_bytes = cost.model.kv_bytes_per_token * engine_args["block_size"]
-        num_blocks = int(int(engine_args.get("kv_cache_memory_bytes") or CPU_KV_BYTES) // block_bytes)
+        budget = engine_args.get("kv_cache_memory_bytes") or DEFAULT_CPU_KV_BYTES
+        num_blocks = cost.blocks_in(budget, engine_args["block_size"])
         engine = SimEngineConfig(
             num_blocks=num_blocks,
             block_size=engine_args["block_size"],

@@ -39,6 +39,16 @@ def engine(num_blocks=64, budget=16, **kw) -> SimEngineConfig:
     return SimEngineConfig(num_blocks=num_blocks, block_size=16, max_num_batched_tokens=budget, **kw)
 
 
+def pd(decode_blocks: int = 64, **kw) -> ClusterSpec:
+    """One prefill and one decode worker (token budget 64); a pull lasts 50 ms unless told."""
+    kw = {"kv_bandwidth": 1e30, "kv_latency_s": 0.05, **kw}
+    return ClusterSpec(
+        prefill=PoolSpec(1, engine(budget=64), STEP),
+        decode=PoolSpec(1, engine(decode_blocks, 64), STEP),
+        **kw,
+    )
+
+
 def run(spec: ClusterSpec, requests: list[SimRequest]):
     sim = Simulator(spec)
     return sim, sim.run(requests)
@@ -72,12 +82,7 @@ def test_requests_that_arrive_together_share_steps():
 
 
 def test_pd_timeline_first_token_at_prefill_then_pull_then_decode_steps():
-    spec = ClusterSpec(
-        prefill=PoolSpec(1, engine(budget=64), STEP),
-        decode=PoolSpec(1, engine(budget=64), STEP),
-        kv_bandwidth=1e30,
-        kv_latency_s=0.05,
-    )
+    spec = pd()
     sim, res = run(spec, [SimRequest("a", 0.0, 32, 4)])
     # prefill step 0-10 ms (first token), pull 10-60 ms, decode steps at 70, 80, 90 ms
     assert res.records[0].token_times == pytest.approx([0.01, 0.07, 0.08, 0.09])
@@ -263,13 +268,7 @@ def test_requests_sent_at_the_same_instant_join_the_same_step():
 
 
 def test_pd_first_token_reaches_the_client_through_the_decode_worker():
-    spec = ClusterSpec(
-        prefill=PoolSpec(1, engine(budget=64), STEP),
-        decode=PoolSpec(1, engine(budget=64), STEP),
-        network_s=0.001,
-        kv_bandwidth=1e30,
-        kv_latency_s=0.05,
-    )
+    spec = pd(network_s=0.001)
     _, res = run(spec, [SimRequest("a", 0.0, 32, 3)])
     # to prefill 1 ms, step 1-11, to the front 12, to decode 13 (first token out: 14),
     # pull 13-63, decode steps 63-73 and 73-83 (+1 ms each to the client)
@@ -284,12 +283,7 @@ def test_impossible_requests_and_budgets_are_refused_up_front():
 
 
 def test_pulls_into_one_decode_worker_queue_on_its_link():
-    spec = ClusterSpec(
-        prefill=PoolSpec(1, engine(budget=64), STEP),
-        decode=PoolSpec(1, engine(budget=64), STEP),
-        kv_bandwidth=1e30,
-        kv_latency_s=0.05,
-    )
+    spec = pd()
     _, res = run(spec, [SimRequest("a", 0.0, 24, 2), SimRequest("b", 0.0, 24, 2)])
     # both prompts in one 10 ms prefill step; a's pull 10-60 ms, b's 60-110 ms
     assert [r.token_times for r in res.records] == [pytest.approx([0.01, 0.07]), pytest.approx([0.01, 0.12])]
