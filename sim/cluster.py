@@ -118,7 +118,7 @@ class Simulator:
         self.unsent: deque[SimRequest] = deque()  # waiting for a client slot (max_concurrency)
         self.kicked: set[str] = set()  # workers with a step start pending now
         self.num_reports = 0  # health rounds in the event queue
-        self.link_free: dict[str, float] = {}  # decode worker id -> when its link is free
+        self.link_free: dict[tuple[str, str], float] = {}  # (out|in, worker id) -> when free
 
     def _at(self, t: float, fn: Callable, *args, late: bool = False) -> None:
         """Run fn(*args) at time t; `late` ones after every other event of the same time."""
@@ -251,9 +251,12 @@ class Simulator:
             seconds = self.spec.decode.cost.kv_pull_s(
                 req.num_prompt_tokens, self.spec.kv_bandwidth, self.spec.kv_latency_s
             )
-            # a decode worker's link carries one pull at a time: later ones queue behind it
-            start = max(self.now, self.link_free.get(decode.worker_id, 0.0))
-            self.link_free[decode.worker_id] = start + seconds
+            # a link carries one pull at a time, at its full rate: a pull waits for the
+            # prefill worker's way out and the decode worker's way in to both be free
+            ends = (("out", prefill.worker_id), ("in", decode.worker_id))
+            start = max(self.now, *(self.link_free.get(end, 0.0) for end in ends))
+            for end in ends:
+                self.link_free[end] = start + seconds
             self._at(start + seconds, self._pulled, prefill, decode, rid)
         else:  # recomputed on the decode worker: the pin goes at once
             prefill.release_pin(rid)

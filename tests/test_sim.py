@@ -287,3 +287,29 @@ def test_pulls_into_one_decode_worker_queue_on_its_link():
     _, res = run(spec, [SimRequest("a", 0.0, 24, 2), SimRequest("b", 0.0, 24, 2)])
     # both prompts in one 10 ms prefill step; a's pull 10-60 ms, b's 60-110 ms
     assert [r.token_times for r in res.records] == [pytest.approx([0.01, 0.07]), pytest.approx([0.01, 0.12])]
+
+
+def test_pulls_out_of_one_prefill_worker_queue_on_its_link_and_others_run_side_by_side():
+    def spec(num_prefill: int) -> ClusterSpec:
+        return ClusterSpec(
+            prefill=PoolSpec(num_prefill, engine(budget=64), STEP),
+            decode=PoolSpec(2, engine(budget=64), STEP),
+            kv_bandwidth=1e30,
+            kv_latency_s=0.05,
+        )
+
+    requests = [SimRequest("a", 0.0, 24, 2), SimRequest("b", 0.0, 24, 2)]
+    sim, res = run(spec(1), requests)
+    # one prefill step for both (0-10 ms), then each to its own decode worker -- and still
+    # b's pull waits for a's on the prefill worker's link
+    assert [w.num_steps for w in sim.pools["decode"]] == [1, 1]
+    assert [r.token_times for r in res.records] == [pytest.approx([0.01, 0.07]), pytest.approx([0.01, 0.12])]
+    assert_blocks_all_back(sim)
+
+    # two prefill workers: the prompts of a and c hash to different ones (the router's
+    # prefix affinity), so with different decode workers too their pulls overlap
+    sim, res = run(spec(2), [SimRequest("a", 0.0, 24, 2), SimRequest("c", 0.0, 24, 2)])
+    assert [w.num_steps for w in sim.pools["prefill"]] == [1, 1]
+    assert [w.num_steps for w in sim.pools["decode"]] == [1, 1]
+    assert [r.token_times[-1] for r in res.records] == pytest.approx([0.07, 0.07])
+    assert_blocks_all_back(sim)
