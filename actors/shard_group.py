@@ -14,6 +14,7 @@ import datetime
 import logging
 import os
 import threading
+from concurrent.futures import Future
 
 import ray
 import torch
@@ -110,19 +111,29 @@ class ShardWorker:
         shard = init_shard_context(spec, host, port, device_backend(config))
         path = resolve_model_path(config.model)
         hf_config = load_config(path)
-        self.runner = build_runner(config, hf_config, path, shard)
+        # built on the thread that runs it: one OpenMP master per process (as AsyncLLM)
+        built: Future = Future()
+        self.thread = threading.Thread(
+            target=self._serve, args=(config, hf_config, path, shard, built), name="kvray-shard", daemon=True
+        )
+        self.thread.start()
+        self.runner = built.result()
         self.shard_id = f"{worker_id}/{rank}"
         layout = kv_layout_of(hf_config, spec, config.block_size, self.runner.dtype, self.runner.kv_quant)
         self.source = KVSource(None, self.runner.kv_cache, self.runner.device, layout)
         kv = KVTransferConfig(**kv_config)
         backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
         self.connector = CONNECTORS[kv.connector](self.shard_id, kv, host, backend)
-        self.thread = threading.Thread(target=self._serve, name="kvray-shard", daemon=True)
-        self.thread.start()
 
-    def _serve(self) -> None:
+    def _serve(self, config, hf_config, path, shard, built: Future) -> None:
         try:
-            self.runner.serve()
+            runner = build_runner(config, hf_config, path, shard)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(runner)
+        try:
+            runner.serve()
         except BaseException as e:  # the group is out of step: exit, so the driver's
             logger.error("kvray shard %s: step failed (%r); exiting", self.shard_id, e)
             os._exit(1)  # pending collective fails and its worker exits too

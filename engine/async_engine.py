@@ -78,14 +78,21 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, on_step_error=None, **engine_kwargs):
         """`on_step_error(e)`: called on the loop thread after a failed step has failed its
         requests (a sharded worker uses it to stop: its shards are out of step)."""
-        self.engine = LLMEngine(config, **engine_kwargs)
         self._on_step_error = on_step_error
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, OutputSink] = {}  # request id -> where its outputs go
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="kvray-engine", daemon=True)
+        # The engine is built on the loop thread, so that one thread is OpenMP's master for
+        # the life of the engine: a second master (the caller, loading the weights) keeps a
+        # team of its own, and libgomp, seeing more threads than cores, then puts its
+        # helpers to sleep after every parallel region (BENCHMARKS.md, served against offline)
+        built: Future = Future()  # the engine, once the loop thread has built it
+        self._thread = threading.Thread(
+            target=self._run, args=(config, engine_kwargs, built), name="kvray-engine", daemon=True
+        )
         self._thread.start()
+        self.engine: LLMEngine = built.result()  # re-raises what building it raised
 
     @property
     def tokenizer(self):
@@ -229,11 +236,19 @@ class AsyncLLM:
         self._commands.put(command)
         self._wake.set()
 
-    def _loop(self) -> None:
-        engine = self.engine
+    def _run(self, config: EngineConfig, engine_kwargs: dict, built: Future) -> None:
+        try:
+            self.engine = LLMEngine(config, **engine_kwargs)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
+        self._loop(self.engine)
+
+    def _loop(self, engine: LLMEngine) -> None:
         trace = StepTrace(engine.config.step_trace_dir) if engine.config.step_trace_dir else None
         while not self._stopped:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             self._drain_commands()
             engine.expire_kv_leases()
             self._publish(engine.take_pending_outputs())
@@ -250,7 +265,7 @@ class AsyncLLM:
                 continue
             self._publish(outputs)
             if trace is not None and engine.last_shape:
-                trace.write(engine.last_shape, time.perf_counter() - start)
+                trace.write(engine.last_shape, time.perf_counter() - start, time.thread_time() - start_cpu)
             if engine.last_step is None or engine.last_step.num_batched_tokens == 0:
                 # nothing could run (e.g. only KV pulls in flight): wait for a command
                 self._wake.wait(timeout=0.005)
@@ -340,8 +355,11 @@ class AsyncLLM:
 
 class StepTrace:
     """Each step of the loop (commands, the step, handing out its outputs) as one JSON line
-    {"batch": [[new tokens, context, samples], ...], "seconds": s}, after a first line
-    naming the torch threads: the served engine's real step costs, for kvray.sim's fit."""
+    {"batch": [[new tokens, context, samples], ...], "seconds": s, "cpu_seconds": c}, after
+    a first line naming the torch threads: the served engine's real step costs, for
+    kvray.sim's fit. `cpu_seconds` is the loop thread's own CPU time in the step (its OMP
+    helpers not counted): far below `seconds`, the thread waited (for the GIL, or off a
+    core); near it, the step itself ran slow."""
 
     def __init__(self, folder: str):
         path = Path(folder) / f"steps-{os.getpid()}.jsonl"
@@ -349,8 +367,8 @@ class StepTrace:
         self.file = path.open("a", buffering=1)  # line by line: a killed worker keeps its steps
         self.file.write(json.dumps({"threads": torch.get_num_threads()}) + "\n")
 
-    def write(self, shape: list[tuple[int, int, bool]], seconds: float) -> None:
-        self.file.write(json.dumps({"batch": shape, "seconds": seconds}) + "\n")
+    def write(self, shape: list[tuple[int, int, bool]], seconds: float, cpu_seconds: float) -> None:
+        self.file.write(json.dumps({"batch": shape, "seconds": seconds, "cpu_seconds": cpu_seconds}) + "\n")
 
     def close(self) -> None:
         self.file.close()

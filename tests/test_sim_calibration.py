@@ -45,6 +45,9 @@ def test_a_served_engine_traces_each_step_as_the_scheduler_handed_it_out(tmp_pat
         [(1, 42, True)],
     ]
     assert all(s.seconds > 0 for s in steps)
+    # the loop thread's own CPU time: positive, and never more than the step's wall time
+    # (its OMP helpers are other threads)
+    assert all(0 < d["cpu_seconds"] <= d["seconds"] * 1.01 + 1e-3 for d in lines[1:])
 
 
 @pytest.mark.parametrize("preset", ["smollm2-cpu", "smollm2-cpu-pd"])
