@@ -75,6 +75,8 @@ class OutputStream:
 
 
 class AsyncLLM:
+    engine: LLMEngine  # built and stepped on the loop thread
+
     def __init__(self, config: EngineConfig, on_step_error=None, **engine_kwargs):
         """`on_step_error(e)`: called on the loop thread after a failed step has failed its
         requests (a sharded worker uses it to stop: its shards are out of step)."""
@@ -87,12 +89,12 @@ class AsyncLLM:
         # the life of the engine: a second master (the caller, loading the weights) keeps a
         # team of its own, and libgomp, seeing more threads than cores, then puts its
         # helpers to sleep after every parallel region (BENCHMARKS.md, served against offline)
-        built: Future = Future()  # the engine, once the loop thread has built it
+        built: Future = Future()  # settled once the loop thread has built self.engine
         self._thread = threading.Thread(
             target=self._run, args=(config, engine_kwargs, built), name="kvray-engine", daemon=True
         )
         self._thread.start()
-        self.engine: LLMEngine = built.result()  # re-raises what building it raised
+        built.result()  # re-raises what building the engine raised
 
     @property
     def tokenizer(self):
@@ -242,13 +244,14 @@ class AsyncLLM:
         except BaseException as e:
             built.set_exception(e)
             return
-        built.set_result(self.engine)
+        built.set_result(None)
         self._loop(self.engine)
 
     def _loop(self, engine: LLMEngine) -> None:
         trace = StepTrace(engine.config.step_trace_dir) if engine.config.step_trace_dir else None
         while not self._stopped:
-            start, start_cpu = time.perf_counter(), time.thread_time()
+            start = time.perf_counter()
+            start_cpu = time.thread_time() if trace is not None else 0.0
             self._drain_commands()
             engine.expire_kv_leases()
             self._publish(engine.take_pending_outputs())
