@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, on a CPU (fp32).
+/* Decode attention over the paged KV cache, on a CPU (fp32, bf16, or an 8-bit cache).
  *
  * One query token per sequence. A decode step's attention on a CPU is bound by reading K
  * and V, so the kernel reads each byte once, in the order it lies in memory:
@@ -19,6 +19,8 @@
  *                 8-bit cache (kvray_paged_decode_i8), int8 [..., head_dim + 4]: each row's
  *                 codes then its fp32 scale (kernels/kv_quant.py). The scale multiplies a
  *                 row's score (keys) or its softmax weight (values), never each element.
+ *                 kvray_paged_decode_bf16: q, out and both caches bf16; the math is fp32
+ *                 (q widened once per work item, out rounded once).
  *   block_tables  int32 [num_seqs, table_stride]
  *   seq_lens      int32 [num_seqs]: context length, the new token included
  *   rows          int64 [num_seqs]: the q (and out) row of each sequence
@@ -101,9 +103,14 @@ static inline float row_scale(const char *row, int32_t head_dim) {
     return s;
 }
 
-/* 8 values of a row from element x: floats, or int8 codes (before their scale) */
+enum { F32 = 0, INT8 = 1, BF16 = 2 }; /* how a cache row holds its values */
+typedef unsigned short bf16;
+
+/* 8 values of a row from element x: floats, bf16, or int8 codes (before their scale) */
 static inline v8 load_row8(const char *row, int32_t x, const int quant) {
-    return quant ? load8_i8((const signed char *)row + x) : load8((const float *)row + x);
+    if (quant == INT8) return load8_i8((const signed char *)row + x);
+    if (quant == BF16) return load8_bf16((const bf16 *)row + x);
+    return load8((const float *)row + x);
 }
 
 /* The same row of the next block of the span (`next`: that block, or NULL past the span):
@@ -149,25 +156,48 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
     const int32_t hkv = c->num_kv_heads, d = c->head_dim, bs = c->block_size;
     const int32_t num_q_heads = hkv * group;
     /* pass 1: scores[q_h][i] = q_h . k_i * scale, each key row read once, front to back,
-     * a block at a time (one division per block, none per row) */
+     * a block at a time (one division per block, none per row), in chunks of 8 rows: per
+     * KV head, the chunk's rows (widened to fp32 once, bf16 or int8) meet each of the
+     * group's query heads with 8 independent sums, reduced together (sums8) */
+    float widened[8 * d], zeros[d];
+    memset(zeros, 0, sizeof(zeros));
     for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
         const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
         const char *block = c->k_cache + table[b0 / bs] * c->block_stride;
         const char *next = next_block(c->k_cache, c, table, b0, end);
-        for (int64_t t = b0; t < b1; t++) {
-            const int64_t i = t - start;
-            const char *row = block + (t - first) * c->token_stride;
-            prefetch_row(next, c, t - first);
+        for (int64_t t0 = b0; t0 < b1; t0 += 8) {
+            const int rows = b1 - t0 < 8 ? (int)(b1 - t0) : 8;
+            for (int r = 0; r < rows; r++) prefetch_row(next, c, t0 + r - first);
             for (int32_t h = 0; h < hkv; h++) {
-                const char *kp = row + h * c->head_stride;
-                const float *qh = qs + (int64_t)h * group * d;
-                v8 a[8] = {0};
-                for (int32_t x = 0; x < d; x += 8) {
-                    const v8 kv = load_row8(kp, x, quant);
-                    for (int g = 0; g < group; g++) a[g] += load8(qh + g * d + x) * kv;
+                const float *k[8];
+                v8 row_scales = {1, 1, 1, 1, 1, 1, 1, 1};
+                for (int r = 0; r < 8; r++) {
+                    const char *kp = block + (t0 + r - first) * c->token_stride + h * c->head_stride;
+                    if (r >= rows) {
+                        k[r] = zeros;
+                    } else if (quant == F32) {
+                        k[r] = (const float *)kp;
+                    } else {
+                        for (int32_t x = 0; x < d; x += 8) store8(widened + r * d + x, load_row8(kp, x, quant));
+                        k[r] = widened + r * d;
+                        if (quant == INT8) row_scales[r] = row_scale(kp, d);
+                    }
                 }
-                const float s = quant ? c->scale * row_scale(kp, d) : c->scale;
-                for (int g = 0; g < group; g++) scores[(h * group + g) * n + i] = sum8(a[g]) * s;
+                for (int g = 0; g < group; g++) {
+                    const float *qg = qs + ((int64_t)h * group + g) * d;
+                    v8 a[8] = {0};
+                    for (int32_t x = 0; x < d; x += 8) {
+                        const v8 qv = load8(qg + x);
+                        for (int r = 0; r < 8; r++) a[r] += qv * load8(k[r] + x);
+                    }
+                    const v8 sc = sums8(a) * row_scales * c->scale;
+                    float *dst = scores + (h * group + g) * n + (t0 - start);
+                    if (rows == 8) {
+                        store8(dst, sc);
+                    } else {
+                        for (int r = 0; r < rows; r++) dst[r] = sc[r];
+                    }
+                }
             }
         }
     }
@@ -188,7 +218,7 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                         a[g][s] = b0 == start ? (v8){0} : load8(acc + (h * group + g) * d + x0 + 8 * s);
                 for (int64_t t = b0; t < b1; t++) {
                     const char *vrow = block + (t - first) * c->token_stride + h * c->head_stride;
-                    const float vs = quant ? row_scale(vrow, d) : 1.0f;
+                    const float vs = quant == INT8 ? row_scale(vrow, d) : 1.0f;
                     v8 vv[SLICE];
                     for (int s = 0; s < SLICE; s++) vv[s] = load_row8(vrow, x0 + 8 * s, quant);
                     for (int g = 0; g < group; g++) {
@@ -218,16 +248,18 @@ static void attend_item(const Cache *c, const float *qs, const int32_t *table, c
         case 7: SPAN(7, Q); break; \
         default: SPAN(8, Q); break; \
     }
-    if (quant) {
-        GROUPS(1)
+    if (quant == INT8) {
+        GROUPS(INT8)
+    } else if (quant == BF16) {
+        GROUPS(BF16)
     } else {
-        GROUPS(0)
+        GROUPS(F32)
     }
 #undef GROUPS
 #undef SPAN
 }
 
-static void paged_decode(const float *q, int64_t q_stride, float *out, int64_t out_stride, const Cache cache,
+static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const Cache cache,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                          const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
                          int32_t num_threads, int quant);
@@ -241,7 +273,7 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
     const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
                          num_kv_heads, head_dim, block_size, scale};
     paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
-                 num_q_heads, window, num_threads, 0);
+                 num_q_heads, window, num_threads, F32);
 }
 
 /* the same over an 8-bit cache: rows of head_dim int8 codes and their fp32 scale */
@@ -254,13 +286,38 @@ void kvray_paged_decode_i8(const float *q, int64_t q_stride, float *out, int64_t
     const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
                          num_kv_heads, head_dim, block_size, scale};
     paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
-                 num_q_heads, window, num_threads, 1);
+                 num_q_heads, window, num_threads, INT8);
 }
 
-static void paged_decode(const float *q, int64_t q_stride, float *out, int64_t out_stride, const Cache cache,
+/* out row r = values * inv, as floats, or rounded to bf16 where q and out are bf16 */
+static void write_out(void *out, int64_t r, const float *values, float inv, int64_t n, int bf16_io) {
+    if (bf16_io) {
+        bf16 *o = (bf16 *)out + r;
+        for (int64_t x = 0; x < n; x++) o[x] = f32_to_bf16(values[x] * inv);
+    } else {
+        float *o = (float *)out + r;
+        for (int64_t x = 0; x < n; x++) o[x] = values[x] * inv;
+    }
+}
+
+/* the same with q, out and the caches in bf16 */
+void kvray_paged_decode_bf16(const bf16 *q, int64_t q_stride, bf16 *out, int64_t out_stride, const bf16 *k_cache,
+                             const bf16 *v_cache, const int32_t *block_tables, int64_t table_stride,
+                             const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs, int32_t num_q_heads,
+                             int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
+                             int32_t window, int32_t num_threads) {
+    const int64_t row = (int64_t)head_dim * sizeof(bf16), token = num_kv_heads * row;
+    const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
+                         num_kv_heads, head_dim, block_size, scale};
+    paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
+                 num_q_heads, window, num_threads, BF16);
+}
+
+static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const Cache cache,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                          const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
                          int32_t num_threads, int quant) {
+    const int bf16_io = quant == BF16;
     const int32_t num_kv_heads = cache.num_kv_heads, head_dim = cache.head_dim, block_size = cache.block_size;
     const int group = num_q_heads / num_kv_heads;
     /* spans: whole blocks, at most SPAN_TOKENS positions (the first may start mid-block), and
@@ -299,19 +356,23 @@ static void paged_decode(const float *q, int64_t q_stride, float *out, int64_t o
     {
         float *scores = (float *)malloc(sizeof(float) * num_q_heads * span);
         float *own = (float *)malloc(sizeof(float) * per_part); /* a whole sequence's result */
+        float *q_f32 = bf16_io ? (float *)malloc(sizeof(float) * num_q_heads * head_dim) : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
             const Item *it = &items[i];
-            const float *qs = q + rows[it->seq] * q_stride;
+            const float *qs = (const float *)q + rows[it->seq] * q_stride;
+            if (bf16_io) { /* the item's query, widened once */
+                const bf16 *qb = (const bf16 *)q + rows[it->seq] * q_stride;
+                for (int32_t x = 0; x < num_q_heads * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
+                qs = q_f32;
+            }
             float *base = it->part < 0 ? own : parts + it->part * per_part;
             float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
             attend_item(&cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group, quant);
             if (it->part < 0) {
-                float *os = out + rows[it->seq] * out_stride;
-                for (int32_t qh = 0; qh < num_q_heads; qh++) {
-                    const float inv = 1.0f / sm[qh];
-                    for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] = acc[qh * head_dim + x] * inv;
-                }
+                for (int32_t qh = 0; qh < num_q_heads; qh++)
+                    write_out(out, rows[it->seq] * out_stride + qh * head_dim, acc + qh * head_dim, 1.0f / sm[qh],
+                              head_dim, bf16_io);
             }
         }
         /* merge the spans of each split sequence: weights exp(m_p - m) */
@@ -319,27 +380,27 @@ static void paged_decode(const float *q, int64_t q_stride, float *out, int64_t o
         for (int32_t s = 0; s < num_seqs; s++) {
             if (first_part[s] < 0) continue;
             const int64_t pieces = num_spans(seq_lens[s], window, span);
-            float *os = out + rows[s] * out_stride;
+            float *os = own; /* one head's merged sums */
             for (int32_t qh = 0; qh < num_q_heads; qh++) {
                 float m = -INFINITY, total = 0.0f;
                 for (int64_t p = 0; p < pieces; p++) {
                     const float mp = parts[(first_part[s] + p) * per_part + qh];
                     m = mp > m ? mp : m;
                 }
-                for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] = 0.0f;
+                for (int32_t x = 0; x < head_dim; x++) os[x] = 0.0f;
                 for (int64_t p = 0; p < pieces; p++) {
                     const float *base = parts + (first_part[s] + p) * per_part;
                     const float w = expf(base[qh] - m);
                     total += w * base[num_q_heads + qh];
                     const float *acc = base + 2 * num_q_heads + qh * head_dim;
-                    for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] += w * acc[x];
+                    for (int32_t x = 0; x < head_dim; x++) os[x] += w * acc[x];
                 }
-                const float inv = 1.0f / total;
-                for (int32_t x = 0; x < head_dim; x++) os[qh * head_dim + x] *= inv;
+                write_out(out, rows[s] * out_stride + qh * head_dim, os, 1.0f / total, head_dim, bf16_io);
             }
         }
         free(scores);
         free(own);
+        free(q_f32);
     }
     free(parts);
     free(first_part);

@@ -75,3 +75,107 @@ void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, c
         }
     }
 }
+
+/* The same in bf16: x, the weight, the bias and out in bf16, the sums in fp32.
+ *
+ * - w_panels [ceil(n / 32)][k / 2][32][2] (k even): panel p holds weight rows 32p..32p+31,
+ *   element [p][j][c][e] = W[32p + c][2j + e], so one k pair of a panel is 64 values, two
+ *   512-bit vectors of 16 (column, pair) lanes: AVX512-BF16's `vdpbf16ps` multiplies a
+ *   lane's pair by the same pair of x (broadcast) and adds both products to that column's
+ *   fp32 sum (cpu_native.to_panels_bf16 builds it).
+ * - For each group of up to 8 rows of x, 16 accumulators hold the 8 x 32 sums; out is
+ *   the sum plus the bias, rounded to bf16 once.
+ * Without AVX512-BF16 the same sums run in portable C (for tests on other CPUs: dtype
+ * "auto" picks bf16 only where the CPU multiplies it natively).
+ */
+#define PANEL_BF16 32
+#define MAX_ROWS_BF16 8
+typedef unsigned short bf16;
+
+/* out[i][c] = sums[i][c] + bias[c], rounded, for the tile's rows and the panel's columns */
+static inline void store_tile_bf16(const float *sums, int rows, int cols, const bf16 *bias, bf16 *out,
+                                   int64_t out_stride) {
+    for (int i = 0; i < rows; i++) {
+        const float *s = sums + i * PANEL_BF16;
+        bf16 *o = out + i * out_stride;
+        if (cols == PANEL_BF16) {
+            for (int c = 0; c < PANEL_BF16; c += 8) {
+                v8 v = load8(s + c);
+                if (bias) v += load8_bf16(bias + c);
+                store8_bf16(o + c, v);
+            }
+        } else {
+            for (int c = 0; c < cols; c++) o[c] = f32_to_bf16(s[c] + (bias ? bf16_to_f32(bias[c]) : 0.0f));
+        }
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64_t x_stride, const bf16 *panel,
+                                                            int64_t pairs, bf16 *out, int64_t out_stride,
+                                                            const bf16 *bias, int cols, const int rows) {
+    __m512 acc[MAX_ROWS_BF16][2];
+    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
+        const __m512bh lo = (__m512bh)_mm512_loadu_si512(panel + j * 2 * PANEL_BF16);
+        const __m512bh hi = (__m512bh)_mm512_loadu_si512(panel + j * 2 * PANEL_BF16 + PANEL_BF16);
+        for (int i = 0; i < rows; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * x_stride + 2 * j, sizeof(pair));
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, lo);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, hi);
+        }
+    }
+    float sums[MAX_ROWS_BF16 * PANEL_BF16];
+    for (int i = 0; i < rows; i++) {
+        _mm512_storeu_ps(sums + i * PANEL_BF16, acc[i][0]);
+        _mm512_storeu_ps(sums + i * PANEL_BF16 + 16, acc[i][1]);
+    }
+    store_tile_bf16(sums, rows, cols, bias, out, out_stride);
+}
+#else
+static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64_t x_stride, const bf16 *panel,
+                                                            int64_t pairs, bf16 *out, int64_t out_stride,
+                                                            const bf16 *bias, int cols, const int rows) {
+    float sums[MAX_ROWS_BF16 * PANEL_BF16] = {0};
+    for (int64_t j = 0; j < pairs; j++) {
+        const bf16 *w = panel + j * 2 * PANEL_BF16;
+        for (int i = 0; i < rows; i++) {
+            const float x0 = bf16_to_f32(x[i * x_stride + 2 * j]), x1 = bf16_to_f32(x[i * x_stride + 2 * j + 1]);
+            for (int c = 0; c < PANEL_BF16; c++)
+                sums[i * PANEL_BF16 + c] += x0 * bf16_to_f32(w[2 * c]) + x1 * bf16_to_f32(w[2 * c + 1]);
+        }
+    }
+    store_tile_bf16(sums, rows, cols, bias, out, out_stride);
+}
+#endif
+
+typedef void (*tile_bf16_fn)(const bf16 *, int64_t, const bf16 *, int64_t, bf16 *, int64_t, const bf16 *, int);
+
+#define TILE_BF16(ROWS)                                                                                   \
+    static void tile_bf16_##ROWS(const bf16 *x, int64_t xs, const bf16 *panel, int64_t pairs, bf16 *out,   \
+                                 int64_t os, const bf16 *bias, int cols) {                                 \
+        tile_bf16(x, xs, panel, pairs, out, os, bias, cols, ROWS);                                         \
+    }
+TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6) TILE_BF16(7) TILE_BF16(8)
+static const tile_bf16_fn TILES_BF16[MAX_ROWS_BF16 + 1] = {0,           tile_bf16_1, tile_bf16_2,
+                                                           tile_bf16_3, tile_bf16_4, tile_bf16_5,
+                                                           tile_bf16_6, tile_bf16_7, tile_bf16_8};
+
+void kvray_linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
+                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
+    const int64_t panels = (n + PANEL_BF16 - 1) / PANEL_BF16, pairs = k / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int cols = n - p * PANEL_BF16 < PANEL_BF16 ? (int)(n - p * PANEL_BF16) : PANEL_BF16;
+        const bf16 *b = bias ? bias + p * PANEL_BF16 : 0;
+        for (int64_t r = 0; r < m; r += MAX_ROWS_BF16) {
+            const int rows = m - r < MAX_ROWS_BF16 ? (int)(m - r) : MAX_ROWS_BF16;
+            TILES_BF16[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL_BF16, pairs,
+                             out + r * out_stride + p * PANEL_BF16, out_stride, b, cols);
+        }
+    }
+}

@@ -10,7 +10,10 @@ GIL (ctypes does), so the actor's event loop keeps running during a step.
 
 Without a compiler, or with `KVRAY_NATIVE_KERNELS=0`, `library()` is None and the callers
 (the torch attention backend, the model's layers) use their pure-torch paths; the reason
-is logged once. `usable(x)` says whether a tensor can take the native path (fp32, CPU).
+is logged once. `usable(x)` says whether a tensor can take the native path (fp32 or
+bf16, CPU). Each kernel has an fp32 and a bf16 version (bf16 in and out, fp32 math; the
+bf16 matmul panels use AVX512-BF16's `vdpbf16ps` where the CPU has it, portable C
+elsewhere, so the tests run on any CPU).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c", "cpu_linear.c")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]
-LINEAR_ROWS = 64  # `linear` beats oneDNN's packed weights up to here (BENCHMARKS.md, single stream)
-PANEL = 16  # output columns of a panel of `to_panels` (kernels/cpu_linear.c)
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+PANEL = {torch.float32: 16, torch.bfloat16: 32}  # output columns of a panel (kernels/cpu_linear.c)
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
 @functools.cache
@@ -48,6 +51,18 @@ def cpu_flags() -> frozenset[str]:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def _linear_rows() -> dict[torch.dtype, int]:
+    """Up to how many rows `linear` beats oneDNN's packed weights (BENCHMARKS.md, single
+    stream): the fp32 panels are AVX2-shaped (8-float vectors), so where oneDNN has
+    AVX-512 it wins from 4 rows on (Zen 5: 1-2 rows 9.6-11.0 ms against 11.7, 4 rows 11.4
+    against 11.0, for a step's 30 layers); the bf16 panels beat it at 1-128 rows."""
+    fp32_rows = 2 if "avx512f" in cpu_flags() else 64
+    return {torch.float32: fp32_rows, torch.bfloat16: 64}
+
+
+LINEAR_ROWS = _linear_rows()
 
 
 def _cache_dir() -> Path:
@@ -94,35 +109,37 @@ def library() -> ctypes.CDLL | None:
         logger.warning("kvray: native CPU kernels unavailable (%s); using the pure-torch path", e)
         return None
     i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    for fn, args in (
-        (lib.kvray_rms_norm_f32, [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]),
-        (lib.kvray_rotary_f32, [ptr, i64, i64, i64, ptr, ptr, i64, i32]),
-        (lib.kvray_linear_f32, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]),
-    ):
-        fn.restype, fn.argtypes = None, args
+    for suffix in ("f32", "bf16"):
+        for fn, args in (
+            (f"kvray_rms_norm_{suffix}", [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]),
+            (f"kvray_rotary_{suffix}", [ptr, i64, i64, i64, ptr, ptr, i64, i32]),
+            (f"kvray_linear_{suffix}", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]),
+        ):
+            getattr(lib, fn).restype, getattr(lib, fn).argtypes = None, args
     # q, its stride, out, its stride, k and v caches, block tables, their stride, seq_lens,
     # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, threads
     decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]
-    for fn in (lib.kvray_paged_decode_f32, lib.kvray_paged_decode_i8):
+    for fn in (lib.kvray_paged_decode_f32, lib.kvray_paged_decode_i8, lib.kvray_paged_decode_bf16):
         fn.restype, fn.argtypes = None, decode_args
     return lib
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
-    """Whether `paged_decode` takes these: fp32 q, head_dim a multiple of 32, at most 8
-    query heads per KV head, unit-stride heads; a contiguous fp32 cache, or int8 codes
-    whose rows end in their scales (kv_quant.split_cache's views)."""
+    """Whether `paged_decode` takes these: head_dim a multiple of 32, at most 8 query heads
+    per KV head, unit-stride heads; fp32 q with a contiguous fp32 cache or int8 codes whose
+    rows end in their scales (kv_quant.split_cache's views), or bf16 q with a contiguous
+    bf16 cache."""
     head_dim, num_kv_heads = k_cache.shape[-1], k_cache.shape[-2]
     shape_ok = (
-        q.dtype == torch.float32
-        and head_dim % 32 == 0
+        head_dim % 32 == 0
         and q.shape[1] % num_kv_heads == 0
         and q.shape[1] // num_kv_heads <= 8
         and q.stride()[1:] == (head_dim, 1)
     )
-    if k_scale is None:
-        return shape_ok and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
-    return shape_ok and k_cache.dtype == torch.int8 and _rows_end_in_scales(k_cache, k_scale)
+    if k_scale is not None:
+        int8_ok = q.dtype == torch.float32 and k_cache.dtype == torch.int8
+        return shape_ok and int8_ok and _rows_end_in_scales(k_cache, k_scale)
+    return shape_ok and q.dtype in DTYPES and k_cache.dtype == q.dtype and k_cache.is_contiguous()
 
 
 def _rows_end_in_scales(codes: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -148,20 +165,22 @@ def paged_decode(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """out[rows] = attention of q[rows] (one token per sequence) over each sequence's
-    paged context. q/out: [T, Hq, D] fp32 with unit-stride heads; caches
-    [num_blocks, block_size, Hkv, D] fp32 contiguous, or int8 codes with their scales
-    (k_scale/v_scale, fp32 [num_blocks, block_size, Hkv]: the views of kv_quant.split_cache);
+    paged context. q/out: [T, Hq, D] fp32 or bf16 with unit-stride heads; caches
+    [num_blocks, block_size, Hkv, D] contiguous in q's dtype, or (fp32 q) int8 codes with
+    their scales (k_scale/v_scale, fp32 [num_blocks, block_size, Hkv]: the views of
+    kv_quant.split_cache);
     block_tables int32 [S, nb] contiguous; seq_lens int32 [S]; rows int64 [S]. Call only
     when `library()` is not None and `supports(q, k_cache, k_scale)`."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_q_heads = q.shape[1]
-    assert q.dtype == out.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+    assert q.dtype == out.dtype and q.dtype in DTYPES and k_cache.dtype == v_cache.dtype
     assert q.stride()[1:] == out.stride()[1:] == (head_dim, 1) and block_tables.is_contiguous()
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
     if k_scale is None:
-        assert k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-        kernel = library().kvray_paged_decode_f32
+        assert k_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+        kernel = getattr(library(), f"kvray_paged_decode_{_suffix(q.dtype)}")
     else:
+        assert q.dtype == torch.float32
         assert _rows_end_in_scales(k_cache, k_scale) and _rows_end_in_scales(v_cache, v_scale)
         kernel = library().kvray_paged_decode_i8
     kernel(
@@ -186,21 +205,32 @@ def paged_decode(
     )
 
 
+def takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native kernels run for tensors of this dtype on this device."""
+    return dtype in DTYPES and device.type == "cpu" and library() is not None
+
+
 def usable(x: torch.Tensor) -> bool:
-    """Whether `x` can go through the native small-op kernels: an fp32 CPU tensor with
-    unit-stride rows, and the library built here."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and library() is not None
+    """Whether `x` can go through the native small-op kernels: an fp32 or bf16 CPU tensor
+    with unit-stride rows, and the library built here."""
+    return x.stride(-1) == 1 and takes(x.dtype, x.device)
+
+
+def _suffix(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "f32"
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x / rms(x) * weight, None); with `residual`: (norm of s, s) for s = x + residual.
-    x, residual: [rows, dim] fp32 with unit-stride rows."""
+    x, residual: [rows, dim] with unit-stride rows; x, residual and weight of one dtype."""
     rows, dim = x.shape
-    out = torch.empty(rows, dim, dtype=torch.float32)
-    summed = None if residual is None else torch.empty(rows, dim, dtype=torch.float32)
-    library().kvray_rms_norm_f32(
+    assert weight.dtype == x.dtype and weight.is_contiguous()
+    assert residual is None or residual.dtype == x.dtype
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    summed = None if residual is None else torch.empty(rows, dim, dtype=x.dtype)
+    getattr(library(), f"kvray_rms_norm_{_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),
         None if residual is None else residual.data_ptr(),
@@ -219,12 +249,12 @@ def rms_norm(
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (heads unit-stride inside each row, any row stride) in place by
-    the tables cos, sin (T x D/2 values each, contiguous); returns x."""
+    """Rotate x [T, H, D] (fp32 or bf16; heads unit-stride inside each row, any row stride)
+    in place by the fp32 tables cos, sin (T x D/2 values each, contiguous); returns x."""
     rows, heads, head_dim = x.shape
     assert x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous() and sin.is_contiguous()
     assert cos.numel() == sin.numel() == rows * head_dim // 2 and cos.dtype == sin.dtype == torch.float32
-    library().kvray_rotary_f32(
+    getattr(library(), f"kvray_rotary_{_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),
         heads,
@@ -238,37 +268,48 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Panels(NamedTuple):
-    """A linear's weight [n, k] in kernels/cpu_linear.c's layout: [ceil(n / 16), k, 16]."""
+    """A linear's weight [n, k] in kernels/cpu_linear.c's layout: fp32 [ceil(n / 16), k, 16],
+    bf16 [ceil(n / 32), k / 2, 32, 2]."""
 
     data: torch.Tensor
     n: int
+    k: int
 
 
-def to_panels(weight: torch.Tensor) -> Panels:
-    """The fp32 weight [n, k] in panels of 16 output columns, k-major (zero rows past n)."""
+def to_panels(weight: torch.Tensor) -> Panels | None:
+    """The weight [n, k] in panels of output columns, k-major (zero rows past n); None
+    where the kernel cannot take it (another dtype; bf16 with an odd k)."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    dtype = weight.dtype
+    if dtype not in DTYPES or (dtype == torch.bfloat16 and k % 2):
+        return None
+    width = PANEL[dtype]
+    padded = torch.zeros(-(-n // width) * width, k, dtype=dtype)
     padded[:n] = weight.detach()
-    return Panels(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n)
+    if dtype == torch.float32:
+        return Panels(padded.view(-1, width, k).transpose(1, 2).contiguous(), n, k)
+    return Panels(padded.view(-1, width, k // 2, 2).transpose(1, 2).contiguous(), n, k)
 
 
 def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:
-    """Whether `linear` takes x [rows, k]: at most LINEAR_ROWS fp32 CPU rows of this width."""
+    """Whether `linear` takes x [rows, k]: at most LINEAR_ROWS CPU rows of the panels'
+    dtype and width."""
     return (
         panels is not None
         and x.dim() == 2
-        and x.shape[0] <= LINEAR_ROWS
+        and x.dtype == panels.data.dtype
+        and x.shape[0] <= LINEAR_ROWS[x.dtype]
+        and x.shape[1] == panels.k
         and usable(x)
-        and x.shape[1] == panels.data.shape[1]
     )
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) for the rows of a decode step; see `takes_linear`."""
     rows, k = x.shape
-    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == panels.n)
-    out = torch.empty(rows, panels.n, dtype=torch.float32)
-    library().kvray_linear_f32(
+    assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == panels.n)
+    out = torch.empty(rows, panels.n, dtype=x.dtype)
+    getattr(library(), f"kvray_linear_{_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),
         panels.data.data_ptr(),

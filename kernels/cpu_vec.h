@@ -1,5 +1,6 @@
 /* 8-float vectors for the native CPU kernels: GCC's portable vector extension (one AVX
- * register; SSE/NEON pairs elsewhere), with unaligned loads and stores and a sum. */
+ * register; SSE/NEON pairs elsewhere), with unaligned loads and stores and a sum; bf16
+ * values (the top 16 bits of an fp32) loaded as floats and stored rounded to nearest even. */
 #ifndef KVRAY_CPU_VEC_H
 #define KVRAY_CPU_VEC_H
 #include <string.h>
@@ -29,6 +30,59 @@ static inline v8 load8_i8(const signed char *p) { /* portable: GCC may convert l
     return __builtin_convertvector(v, v8);
 }
 #endif
+
+/* bf16 <-> fp32: a bf16 is the high half of an fp32, so widening is a shift; narrowing
+ * rounds to nearest even (as torch does) and keeps a NaN a NaN */
+typedef unsigned short v8h __attribute__((vector_size(16)));
+typedef unsigned int v8u __attribute__((vector_size(32)));
+
+static inline v8 load8_bf16(const unsigned short *p) {
+    v8h h;
+    memcpy(&h, p, sizeof(h));
+    return (v8)(__builtin_convertvector(h, v8u) << 16);
+}
+
+/* v rounded to the nearest bf16 (as a float: its low 16 bits zero) */
+static inline v8 round8_bf16(v8 v) {
+    const v8u u = (v8u)v, nan = (v8u)(v != v);
+    const v8u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (v8)((rounded & ~nan) | ((u | 0x400000u) & nan));
+}
+
+static inline void store8_bf16(unsigned short *p, v8 v) {
+    const v8h h = __builtin_convertvector((v8u)round8_bf16(v) >> 16, v8h);
+    memcpy(p, &h, sizeof(h));
+}
+
+static inline float bf16_to_f32(unsigned short h) {
+    const unsigned int u = (unsigned int)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static inline unsigned short f32_to_bf16(float f) {
+    unsigned int u;
+    memcpy(&u, &f, sizeof(u));
+    if (f != f) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* the sums of 8 vectors' lanes, as one vector: [sum(a[0]), ..., sum(a[7])] (3 rounds
+ * of pairwise shuffles and adds) */
+typedef int v8s __attribute__((vector_size(32)));
+
+static inline v8 sums8(const v8 a[8]) {
+    const v8s even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8s lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8s lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo2) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi2);
+    return __builtin_shuffle(u[0], u[1], lo4) + __builtin_shuffle(u[0], u[1], hi4);
+}
 
 static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));

@@ -10,7 +10,7 @@ and multiplying with `_linear_pointwise` skips that copy: 1.5-2.5x faster at M =
 
 At the rows of a decode step (1-64) oneDNN's kernels are slow for these shapes: at one
 row they stream the weight at about half the machine's bandwidth. Where the native
-kernel is built (fp32), each layer also keeps its weight in that kernel's panel layout
+kernel is built (fp32 and bf16), each layer also keeps its weight in that kernel's panel layout
 (`cpu_native.to_panels`, kernels/cpu_linear.c) and steps of up to `LINEAR_ROWS` rows go
 through it, at the cost of a second copy of the weights. The dense weight is released
 after packing.
@@ -70,8 +70,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panels_for(weight: torch.Tensor) -> cpu_native.Panels | None:
-    """The weight in the native kernel's panels, where that kernel runs (fp32, built here)."""
-    if weight.dtype != torch.float32 or cpu_native.library() is None:
+    """The weight in the native kernel's panels, where that kernel runs (built here, a
+    dtype it takes)."""
+    if not cpu_native.takes(weight.dtype, weight.device):
         return None
     return cpu_native.to_panels(weight)
 
@@ -94,7 +95,8 @@ def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> in
                 module.pack_for_cpu()
                 packed += 1
     native = any(getattr(module, "panels", None) is not None for module in model.modules())
-    panels = f"; native panels for steps of up to {cpu_native.LINEAR_ROWS} rows" if native else ""
+    rows = cpu_native.LINEAR_ROWS.get(dtype)
+    panels = f"; native panels for steps of up to {rows} rows" if native else ""
     name = str(dtype).removeprefix("torch.")
     logger.info("kvray: %d linear layers packed for oneDNN (%s)%s", packed, name, panels)
     return packed

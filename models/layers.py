@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_native.usable(x):  # one pass instead of six ops
+        if x.dim() == 2 and cpu_native.usable(x) and self.weight.dtype == x.dtype:  # one pass, not six ops
             return cpu_native.rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x = x.float()
@@ -34,7 +34,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add, fused with the norm."""
-        if x.dim() == 2 and cpu_native.usable(x) and cpu_native.usable(residual):
+        same_dtype = residual.dtype == x.dtype == self.weight.dtype
+        if x.dim() == 2 and same_dtype and cpu_native.usable(x) and cpu_native.usable(residual):
             return cpu_native.rms_norm(x, self.weight, self.eps, residual)
         summed = x + residual
         return self(summed), summed
@@ -55,7 +56,7 @@ class PackedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.zeros(start)) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU)
-        self.panels: cpu_native.Panels | None = None  # ... and in the native kernel's (CPU, fp32)
+        self.panels: cpu_native.Panels | None = None  # ... and in the native kernel's (CPU)
         self.weight.weight_loader = self._load
         if self.bias is not None:
             self.bias.weight_loader = self._load
@@ -83,7 +84,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, len(in_cols)))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU)
-        self.panels: cpu_native.Panels | None = None  # ... and in the native kernel's (CPU, fp32)
+        self.panels: cpu_native.Panels | None = None  # ... and in the native kernel's (CPU)
         self.weight.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
@@ -172,15 +173,18 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin()
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D/2] for the step's positions, in the activations' dtype; looked
-        up once per forward and shared by every layer."""
+        """cos, sin [T, 1, D/2] for the step's positions, in the activations' dtype (fp32
+        where the native kernel rotates); looked up once per forward and shared by every layer."""
+        if cpu_native.takes(dtype, positions.device):
+            dtype = torch.float32
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by the tables of `RotaryEmbedding.tables` (on a CPU in fp32: in
-    place, in one pass)."""
-    if cpu_native.usable(x) and cos.dtype == torch.float32:
+    """x [T, H, D] rotated by the tables of `RotaryEmbedding.tables` (on a CPU in fp32 or
+    bf16: in place, in one pass)."""
+    if cpu_native.usable(x) and cos.dtype == torch.float32 and x.stride(1) == x.shape[2]:
         return cpu_native.rotary_(x, cos, sin)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

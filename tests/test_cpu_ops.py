@@ -78,13 +78,14 @@ def test_layers_give_what_their_torch_path_gives(monkeypatch):
 @pytest.mark.parametrize(("n", "k"), [(37, 576), (960, 576), (130, 1536), (6, 16), (17, 3)])
 def test_linear_against_float64(rows, n, k):
     """Every tile height (1-6 rows of x, several groups), a last panel of 1-16 columns, a
-    bias, and rows of x that lie apart (a slice of wider rows)."""
+    bias, and rows of x that lie apart (a slice of wider rows). (The kernel takes any row
+    count; `LINEAR_ROWS` only says up to where the layers send rows to it.)"""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     wide = torch.randn(rows, k + 48, generator=gen)
     x = wide[:, 16 : 16 + k]
     weight, bias = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
     panels = cpu_native.to_panels(weight)
-    assert cpu_native.takes_linear(x, panels)
+    assert cpu_native.takes_linear(x, panels) == (rows <= cpu_native.LINEAR_ROWS[torch.float32])
     want = x.double() @ weight.double().T
     assert _rel(cpu_native.linear(x, panels, None), want) < 1e-5
     assert _rel(cpu_native.linear(x, panels, bias), want + bias.double()) < 1e-5
@@ -101,7 +102,92 @@ def test_packed_layer_uses_the_native_kernel_for_decode_rows_only(monkeypatch):
     calls = []
     real = cpu_native.linear
     monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, cpu_native.LINEAR_ROWS, cpu_native.LINEAR_ROWS + 1, 200):
+    most = cpu_native.LINEAR_ROWS[torch.float32]
+    for rows in (1, most, most + 1, 200):
         x = torch.randn(rows, 576, generator=gen)
         assert _rel(layer(x), x.double() @ weight.double().T) < 1e-5
-    assert calls == [1, cpu_native.LINEAR_ROWS]  # wider steps go through oneDNN
+    assert calls == [1, most]  # wider steps go through oneDNN
+
+
+# bf16: inputs are bf16 values, references float64 of them; the kernels compute in fp32
+# and round their output to bf16 (8 bits: a relative step of 2^-8)
+BF16_TOL = 2**-7
+
+
+def _bf16(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 600])
+def test_rms_norm_bf16_rounds_where_hugging_face_does(rows):
+    """The residual sum is bf16(x + residual) exactly; the output is within a rounding or
+    two of the float64 norm of that sum, element by element."""
+    gen = torch.Generator().manual_seed(rows)
+    x, res = _bf16(rows, 576, gen=gen, scale=3), _bf16(rows, 576, gen=gen, scale=3)
+    weight = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    out, summed = cpu_native.rms_norm(x, weight, 1e-5, res)
+    assert out.dtype == summed.dtype == torch.bfloat16
+    assert torch.equal(summed, (x.float() + res.float()).bfloat16())
+    want = _rms_f64(summed, weight, 1e-5)
+    assert ((out.double() - want).abs() <= BF16_TOL * want.abs() + 1e-30).all()
+    out, _ = cpu_native.rms_norm(x, weight, 1e-5)
+    want = _rms_f64(x, weight, 1e-5)
+    assert ((out.double() - want).abs() <= BF16_TOL * want.abs() + 1e-30).all()
+
+
+def test_rotary_bf16_in_place_with_fp32_tables():
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, d = 6, 9, 64
+    x = _bf16(tokens, heads, d, gen=gen)
+    before = x.double()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.arange(tokens, dtype=torch.float64)[:, None] * 7.0 * inv_freq
+    cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
+    assert apply_rotary(x, cos, sin).data_ptr() == x.data_ptr() and x.dtype == torch.bfloat16
+    x1, x2 = before[..., : d // 2], before[..., d // 2 :]
+    c, s = cos.double(), sin.double()
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    assert _rel(x, want) < BF16_TOL
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize(("n", "k"), [(37, 576), (960, 576), (130, 1536), (6, 16)])
+def test_linear_bf16_against_float64(rows, n, k):
+    """Every tile height (1-8 rows, several groups), a last panel of fewer than 32 columns,
+    a bias, rows of x that lie apart."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = _bf16(rows, k + 48, gen=gen)[:, 16 : 16 + k]
+    weight, bias = _bf16(n, k, gen=gen, scale=k**-0.5), _bf16(n, gen=gen)
+    panels = cpu_native.to_panels(weight)
+    assert cpu_native.takes_linear(x, panels) and not cpu_native.takes_linear(x.float(), panels)
+    want = x.double() @ weight.double().T
+    out = cpu_native.linear(x, panels, None)
+    assert out.dtype == torch.bfloat16 and _rel(out, want) < BF16_TOL
+    assert _rel(cpu_native.linear(x, panels, bias), want + bias.double()) < BF16_TOL
+    assert cpu_native.to_panels(weight[:, :-1]) is None  # an odd k: not this kernel's
+
+
+def test_bf16_layers_take_the_native_paths_and_agree_with_torch(monkeypatch):
+    """A bf16 RMSNorm, its fused add and a packed bf16 linear give what the pure-torch
+    (bf16) paths give, within bf16's rounding."""
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    layer = PackedLinear(576, {"a": range(100), "b": range(60)}).to(torch.bfloat16)
+    layer.weight.data = _bf16(160, 576, gen=gen, scale=576**-0.5)
+    weight = layer.weight.data.clone()
+    layer.panels = cpu_native.to_panels(weight)  # as pack_for_cpu leaves it, beside oneDNN's copy
+    x, res = _bf16(4, 576, gen=gen), _bf16(4, 576, gen=gen)
+    calls = []
+    for name in ("rms_norm", "linear"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    native = norm(x), norm.add_and_norm(x, res), layer(x)
+    assert calls == ["rms_norm", "rms_norm", "linear"]
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    layer.panels = None
+    torch_path = norm(x), norm.add_and_norm(x, res), layer(x)
+    pairs = zip((native[0], native[1][0], native[2]), (torch_path[0], torch_path[1][0], torch_path[2]))
+    for got, want in pairs:
+        assert got.dtype == torch.bfloat16 and _rel(got, want.double()) < BF16_TOL
+    assert torch.equal(native[1][1], torch_path[1][1])

@@ -1,16 +1,18 @@
 """Greedy outputs of the whole engine equal transformers' generate, token for token.
 
-SmolLM2-135M-Instruct in fp32. All prompts go in one `generate` call (continuous
-batching, chunked prefill, prefix-cache hits, mixed max_tokens), and each is compared
-with transformers' generate on that prompt alone.
+SmolLM2-135M-Instruct in fp32 (and in bf16 where the CPU multiplies it). All prompts go
+in one `generate` call (continuous batching, chunked prefill, prefix-cache hits, mixed
+max_tokens), and each is compared with transformers' generate on that prompt alone.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import assert_no_leaks, hf_greedy
 
 from kvray.engine import LLM, SamplingParams
+from kvray.engine.dtype import cpu_has_native_bf16
 
 pytestmark = pytest.mark.slow
 
@@ -114,4 +116,28 @@ def test_int8_kv_greedy_agrees_with_transformers(smollm2_path, reference):
         agreed, total = agreed + prefix, total + len(want)
     print(f"int8 KV: {agreed}/{total} greedy tokens agree with transformers before a divergence")
     assert agreed / total >= 0.7
+    assert_no_leaks(llm)
+
+
+@pytest.mark.skipif(
+    not cpu_has_native_bf16(), reason="bf16 is emulated here: transformers' bf16 reference would take minutes"
+)
+def test_bf16_greedy_agrees_with_transformers_bf16(smollm2_path, smollm2_tokenizer):
+    """bf16 weights and KV on a CPU that multiplies bf16 (the native bf16 kernels: panels,
+    decode attention, norms, RoPE) against transformers in bf16: the share of greedy tokens
+    before each prompt's first divergence. Measured on a Zen 5 (AVX512-BF16): 161 of 161;
+    the pure-torch bf16 path: 137 (0.85)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts(smollm2_tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
+    expected = [hf_greedy(hf, p["prompt_token_ids"], m) for p, m in prompts]
+    llm = LLM(model=str(smollm2_path), dtype="bfloat16", max_num_batched_tokens=256)
+    agreed = total = 0
+    for out, want in zip(_run(llm, prompts), expected):
+        got = out.outputs[0].token_ids
+        agreed += next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        total += len(want)
+    print(f"bf16: {agreed}/{total} greedy tokens agree with transformers' bf16 before a divergence")
+    assert agreed / total >= 0.9
     assert_no_leaks(llm)

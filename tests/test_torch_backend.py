@@ -126,6 +126,31 @@ def test_native_kernel_splits_long_contexts_into_spans(window):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize(
+    "q_lens,seq_lens,window",
+    [(Q_LENS, SEQ_LENS, None), (Q_LENS, SEQ_LENS, 50), ([1, 1, 1, 1], [1100, 513, 40, 1537], None)],
+    ids=["mix", "window", "spans"],
+)
+def test_bf16_cache_matches_float64(monkeypatch, native, q_lens, seq_lens, window):
+    """bf16 q and caches (a bf16 model's): the native kernel reads the bf16 rows, computes
+    in fp32 and rounds the output once; the torch path runs in bf16. Bound: 1 % of the
+    largest value (bf16 keeps 8 bits)."""
+    if native and cpu_native.library() is None:
+        pytest.skip("no C compiler here: the native kernel is not built")
+    if not native:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    calls = []
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(a) or real(*a))
+    batch = make_batch(q_lens, seq_lens, 3, 3, 64, 16, torch.bfloat16, device="cpu")
+    out = _attend(batch, q_lens, seq_lens, 16, window)
+    assert out.dtype == torch.bfloat16 and len(calls) == int(native)
+    ref = attention_f64(**batch, scale=0.125, window=window)
+    rel = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 1e-2, f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize(
     "num_kv_heads,group,head_dim,window", [(3, 3, 64, None), (2, 4, 64, 50), (1, 8, 128, None)]
 )
 def test_int8_cache_matches_float64_of_its_dequantized_values(
