@@ -116,23 +116,46 @@ static inline void store_tile_bf16(const float *sums, int rows, int cols, const 
 static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64_t x_stride, const bf16 *panel,
                                                             int64_t pairs, bf16 *out, int64_t out_stride,
                                                             const bf16 *bias, int cols, const int rows) {
-    __m512 acc[MAX_ROWS_BF16][2];
-    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < pairs; j++) {
-        const __m512bh lo = (__m512bh)_mm512_loadu_si512(panel + j * 2 * PANEL_BF16);
-        const __m512bh hi = (__m512bh)_mm512_loadu_si512(panel + j * 2 * PANEL_BF16 + PANEL_BF16);
+    /* few rows: each sum in CHAINS accumulators (k pairs taken in turn), so that the
+     * adds of one tile do not wait on each other's latency */
+    enum { CHAINS = 4 };
+    const int chains = rows <= 2 ? CHAINS : 1;
+    __m512 acc[MAX_ROWS_BF16][2][CHAINS];
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < chains; c++) acc[i][0][c] = acc[i][1][c] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + chains <= pairs; j += chains) {
+        for (int c = 0; c < chains; c++) {
+            const bf16 *w = panel + (j + c) * 2 * PANEL_BF16;
+            const __m512bh lo = (__m512bh)_mm512_loadu_si512(w), hi = (__m512bh)_mm512_loadu_si512(w + PANEL_BF16);
+            for (int i = 0; i < rows; i++) {
+                int32_t pair;
+                memcpy(&pair, x + i * x_stride + 2 * (j + c), sizeof(pair));
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                acc[i][0][c] = _mm512_dpbf16_ps(acc[i][0][c], xb, lo);
+                acc[i][1][c] = _mm512_dpbf16_ps(acc[i][1][c], xb, hi);
+            }
+        }
+    }
+    for (; j < pairs; j++) { /* the last pairs, into the first chain */
+        const bf16 *w = panel + j * 2 * PANEL_BF16;
+        const __m512bh lo = (__m512bh)_mm512_loadu_si512(w), hi = (__m512bh)_mm512_loadu_si512(w + PANEL_BF16);
         for (int i = 0; i < rows; i++) {
             int32_t pair;
             memcpy(&pair, x + i * x_stride + 2 * j, sizeof(pair));
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, lo);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, hi);
+            acc[i][0][0] = _mm512_dpbf16_ps(acc[i][0][0], xb, lo);
+            acc[i][1][0] = _mm512_dpbf16_ps(acc[i][1][0], xb, hi);
         }
     }
     float sums[MAX_ROWS_BF16 * PANEL_BF16];
     for (int i = 0; i < rows; i++) {
-        _mm512_storeu_ps(sums + i * PANEL_BF16, acc[i][0]);
-        _mm512_storeu_ps(sums + i * PANEL_BF16 + 16, acc[i][1]);
+        for (int c = 1; c < chains; c++) {
+            acc[i][0][0] = _mm512_add_ps(acc[i][0][0], acc[i][0][c]);
+            acc[i][1][0] = _mm512_add_ps(acc[i][1][0], acc[i][1][c]);
+        }
+        _mm512_storeu_ps(sums + i * PANEL_BF16, acc[i][0][0]);
+        _mm512_storeu_ps(sums + i * PANEL_BF16 + 16, acc[i][1][0]);
     }
     store_tile_bf16(sums, rows, cols, bias, out, out_stride);
 }
