@@ -30,7 +30,7 @@ def offline(requests, threads: int) -> float:
     from kvray.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(model=MODEL, dtype="float32", max_model_len=2048)
+    llm = LLM(model=MODEL, dtype="auto", max_model_len=2048)  # as the presets: bf16 where native
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in requests
     ]
@@ -96,7 +96,10 @@ def main() -> None:
         results[name] = served(url, model or MODEL, args)
         print(row(name, results[name], base), flush=True)
 
-    print(f"\n{cpu_banner()}; torch {torch.__version__}; dtype float32")
+    from kvray.engine.dtype import resolve_dtype
+
+    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    print(f"\n{cpu_banner()}; torch {torch.__version__}; dtype auto -> {dtype}")
     print(f"load: {args.num_prompts} requests, mix (prompts 32-384, outputs 16-160), ignore_eos, greedy, "
           f"streamed, {args.max_concurrency} concurrent clients\n")  # fmt: skip
     print("| what | useful tok/s | vs offline | TTFT p50 | ITL p50 | ITL p99 | completed |")

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_decode.h"
 #include "cpu_vec.h"
 
 #define SPAN_TOKENS 512     /* the most context positions one work item covers */
@@ -43,30 +44,6 @@
 #define PREFETCH_BLOCKS 1 /* how many blocks ahead rows are prefetched */
 #endif
 #define SLICE 4         /* vectors of one head's output kept in registers (32 floats) */
-
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-/* exp of 8 floats at once (Cephes' expf: 2^n times a degree-6 polynomial on the reduced
- * argument; about 1 ulp), for arguments <= 0 as a softmax has; below -87 it gives ~0. */
-static inline v8 exp8(v8 x) {
-    const v8 floor_at = (v8){0} - 87.0f;
-    const v8i low = x < floor_at;
-    x = (v8)(((v8i)x & ~low) | ((v8i)floor_at & low));
-    const v8 fx = x * 1.44269504088896341f + 0.5f;
-    v8i ni = __builtin_convertvector(fx, v8i); /* toward zero: one too high for fx < 0 */
-    v8 n = __builtin_convertvector(ni, v8);
-    const v8i over = n > fx;
-    ni += over;
-    n += __builtin_convertvector(over, v8);
-    const v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    v8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    return y * (v8)((ni + 127) << 23);
-}
 
 /* sq[i] = exp(sq[i] - m) for i < n, where m = max(sq); returns the sum and sets *max */
 static float softmax_numerators(float *sq, int64_t n, float *max) {
@@ -88,13 +65,6 @@ static float softmax_numerators(float *sq, int64_t n, float *max) {
     return sum;
 }
 
-typedef struct {
-    const char *k_cache, *v_cache;
-    /* bytes between token rows, between blocks, between the heads of a token */
-    int64_t token_stride, block_stride, head_stride;
-    int32_t num_kv_heads, head_dim, block_size;
-    float scale;
-} Cache;
 
 /* the fp32 scale that ends an 8-bit row */
 static inline float row_scale(const char *row, int32_t head_dim) {
@@ -103,8 +73,6 @@ static inline float row_scale(const char *row, int32_t head_dim) {
     return s;
 }
 
-enum { F32 = 0, INT8 = 1, BF16 = 2 }; /* how a cache row holds its values */
-typedef unsigned short bf16;
 
 /* 8 values of a row from element x: floats, bf16, or int8 codes (before their scale) */
 static inline v8 load_row8(const char *row, int32_t x, const int quant) {
@@ -139,11 +107,6 @@ static inline int64_t num_spans(int32_t len, int32_t window, int32_t span) {
     return (len - 1) / span - window_start(len, window) / span + 1;
 }
 
-typedef struct {
-    int32_t seq;
-    int32_t start, end; /* context positions [start, end) */
-    int32_t part;       /* -1: the whole (windowed) context; else its slot among the spans */
-} Item;
 
 /* The item's scores, softmax and weighted values. Writes, per query head q_h:
  * acc[q_h][:] = sum_i exp(s_i - m) v_i, max_out[q_h] = m, sum_out[q_h] = sum_i exp(s_i - m). */
@@ -165,9 +128,14 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
         const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
         const char *block = c->k_cache + table[b0 / bs] * c->block_stride;
         const char *next = next_block(c->k_cache, c, table, b0, end);
+        /* the same block's values, for pass 2: the span's V then streams from L2 */
+        const char *values = c->v_cache + table[b0 / bs] * c->block_stride;
         for (int64_t t0 = b0; t0 < b1; t0 += 8) {
             const int rows = b1 - t0 < 8 ? (int)(b1 - t0) : 8;
-            for (int r = 0; r < rows; r++) prefetch_row(next, c, t0 + r - first);
+            for (int r = 0; r < rows; r++) {
+                prefetch_row(next, c, t0 + r - first);
+                prefetch_row(values, c, t0 + r - first);
+            }
             for (int32_t h = 0; h < hkv; h++) {
                 const float *k[8];
                 v8 row_scales = {1, 1, 1, 1, 1, 1, 1, 1};
@@ -313,13 +281,8 @@ void kvray_paged_decode_bf16(const bf16 *q, int64_t q_stride, bf16 *out, int64_t
                  num_q_heads, window, num_threads, BF16);
 }
 
-static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const Cache cache,
-                         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                         const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
-                         int32_t num_threads, int quant) {
-    const int bf16_io = quant == BF16;
-    const int32_t num_kv_heads = cache.num_kv_heads, head_dim = cache.head_dim, block_size = cache.block_size;
-    const int group = num_q_heads / num_kv_heads;
+DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
+                             int32_t block_size, int32_t window, int32_t num_threads) {
     /* spans: whole blocks, at most SPAN_TOKENS positions (the first may start mid-block), and
      * short enough that a step of few sequences still gives every thread two items */
     int64_t attended = 0;
@@ -333,76 +296,111 @@ static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out
         num_items += pieces;
         if (pieces > 1) num_parts += pieces;
     }
-    Item *items = (Item *)malloc(sizeof(Item) * num_items);
-    int32_t *first_part = (int32_t *)malloc(sizeof(int32_t) * (num_seqs + 1)); /* per sequence */
+    DecodePlan plan = {(Item *)malloc(sizeof(Item) * num_items), (int32_t *)malloc(sizeof(int32_t) * (num_seqs + 1)),
+                       NULL, num_items, (int64_t)num_q_heads * (head_dim + 2), span, window};
     int64_t k = 0, part = 0;
     /* the longest contexts come last from the caller (sorted ascending): schedule them first */
     for (int32_t s = num_seqs - 1; s >= 0; s--) {
         const int32_t len = seq_lens[s], start = window_start(len, window);
         const int64_t pieces = num_spans(len, window, span);
-        first_part[s] = pieces > 1 ? (int32_t)part : -1;
+        plan.first_part[s] = pieces > 1 ? (int32_t)part : -1;
         for (int64_t p = 0; p < pieces; p++) {
             const int32_t lo = p == 0 ? start : (int32_t)((start / span + p) * span);
             const int32_t hi = (start / span + p + 1) * span < len ? (int32_t)((start / span + p + 1) * span) : len;
-            items[k++] = (Item){s, lo, hi, pieces > 1 ? (int32_t)(part + p) : -1};
+            plan.items[k++] = (Item){s, lo, hi, pieces > 1 ? (int32_t)(part + p) : -1};
         }
         if (pieces > 1) part += pieces;
     }
     /* spans' partial results: [part][q_head] max and sum, [part][q_head][head_dim] sums */
-    const int64_t per_part = (int64_t)num_q_heads * (head_dim + 2);
-    float *parts = num_parts ? (float *)malloc(sizeof(float) * num_parts * per_part) : NULL;
+    if (num_parts) plan.parts = (float *)malloc(sizeof(float) * num_parts * plan.per_part);
+    return plan;
+}
 
+void kvray_decode_plan_free(DecodePlan *plan) {
+    free(plan->items);
+    free(plan->first_part);
+    free(plan->parts);
+}
+
+DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim) {
+    const int64_t per_part = (int64_t)num_q_heads * (head_dim + 2);
+    return (DecodeScratch){(float *)malloc(sizeof(float) * num_q_heads * SPAN_TOKENS),
+                           (float *)malloc(sizeof(float) * per_part),
+                           (float *)malloc(sizeof(float) * num_q_heads * head_dim)};
+}
+
+void kvray_decode_scratch_free(DecodeScratch *scratch) {
+    free(scratch->scores);
+    free(scratch->own);
+    free(scratch->q_f32);
+}
+
+/* Inside a parallel region (every thread of the team calls it, with its own scratch):
+ * the plan's items shared out, then the split sequences merged. */
+void kvray_decode_attend(const DecodePlan *plan, DecodeScratch *scratch, const void *q, int64_t q_stride, void *out,
+                         int64_t out_stride, const Cache *cache, const int32_t *block_tables, int64_t table_stride,
+                         const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs, int32_t num_q_heads,
+                         int quant) {
+    const int bf16_io = quant == BF16;
+    const int32_t head_dim = cache->head_dim, window = plan->window;
+    const int group = num_q_heads / cache->num_kv_heads;
+    const int64_t per_part = plan->per_part;
+    float *scores = scratch->scores, *own = scratch->own, *q_f32 = scratch->q_f32;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < plan->num_items; i++) {
+        const Item *it = &plan->items[i];
+        const float *qs = (const float *)q + rows[it->seq] * q_stride;
+        if (bf16_io) { /* the item's query, widened once */
+            const bf16 *qb = (const bf16 *)q + rows[it->seq] * q_stride;
+            for (int32_t x = 0; x < num_q_heads * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
+            qs = q_f32;
+        }
+        float *base = it->part < 0 ? own : plan->parts + it->part * per_part;
+        float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
+        attend_item(cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group, quant);
+        if (it->part < 0) {
+            for (int32_t qh = 0; qh < num_q_heads; qh++)
+                write_out(out, rows[it->seq] * out_stride + qh * head_dim, acc + qh * head_dim, 1.0f / sm[qh],
+                          head_dim, bf16_io);
+        }
+    }
+    /* merge the spans of each split sequence: weights exp(m_p - m) */
+#pragma omp for schedule(static)
+    for (int32_t s = 0; s < num_seqs; s++) {
+        if (plan->first_part[s] < 0) continue;
+        const int64_t pieces = num_spans(seq_lens[s], window, plan->span);
+        float *os = own; /* one head's merged sums */
+        for (int32_t qh = 0; qh < num_q_heads; qh++) {
+            float m = -INFINITY, total = 0.0f;
+            for (int64_t p = 0; p < pieces; p++) {
+                const float mp = plan->parts[(plan->first_part[s] + p) * per_part + qh];
+                m = mp > m ? mp : m;
+            }
+            for (int32_t x = 0; x < head_dim; x++) os[x] = 0.0f;
+            for (int64_t p = 0; p < pieces; p++) {
+                const float *base = plan->parts + (plan->first_part[s] + p) * per_part;
+                const float w = expf(base[qh] - m);
+                total += w * base[num_q_heads + qh];
+                const float *acc = base + 2 * num_q_heads + qh * head_dim;
+                for (int32_t x = 0; x < head_dim; x++) os[x] += w * acc[x];
+            }
+            write_out(out, rows[s] * out_stride + qh * head_dim, os, 1.0f / total, head_dim, bf16_io);
+        }
+    }
+}
+
+static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const Cache cache,
+                         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                         const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
+                         int32_t num_threads, int quant) {
+    DecodePlan plan = kvray_decode_plan(seq_lens, num_seqs, num_q_heads, cache.head_dim, cache.block_size, window,
+                                        num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * num_q_heads * span);
-        float *own = (float *)malloc(sizeof(float) * per_part); /* a whole sequence's result */
-        float *q_f32 = bf16_io ? (float *)malloc(sizeof(float) * num_q_heads * head_dim) : NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; i++) {
-            const Item *it = &items[i];
-            const float *qs = (const float *)q + rows[it->seq] * q_stride;
-            if (bf16_io) { /* the item's query, widened once */
-                const bf16 *qb = (const bf16 *)q + rows[it->seq] * q_stride;
-                for (int32_t x = 0; x < num_q_heads * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
-                qs = q_f32;
-            }
-            float *base = it->part < 0 ? own : parts + it->part * per_part;
-            float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
-            attend_item(&cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group, quant);
-            if (it->part < 0) {
-                for (int32_t qh = 0; qh < num_q_heads; qh++)
-                    write_out(out, rows[it->seq] * out_stride + qh * head_dim, acc + qh * head_dim, 1.0f / sm[qh],
-                              head_dim, bf16_io);
-            }
-        }
-        /* merge the spans of each split sequence: weights exp(m_p - m) */
-#pragma omp for schedule(static)
-        for (int32_t s = 0; s < num_seqs; s++) {
-            if (first_part[s] < 0) continue;
-            const int64_t pieces = num_spans(seq_lens[s], window, span);
-            float *os = own; /* one head's merged sums */
-            for (int32_t qh = 0; qh < num_q_heads; qh++) {
-                float m = -INFINITY, total = 0.0f;
-                for (int64_t p = 0; p < pieces; p++) {
-                    const float mp = parts[(first_part[s] + p) * per_part + qh];
-                    m = mp > m ? mp : m;
-                }
-                for (int32_t x = 0; x < head_dim; x++) os[x] = 0.0f;
-                for (int64_t p = 0; p < pieces; p++) {
-                    const float *base = parts + (first_part[s] + p) * per_part;
-                    const float w = expf(base[qh] - m);
-                    total += w * base[num_q_heads + qh];
-                    const float *acc = base + 2 * num_q_heads + qh * head_dim;
-                    for (int32_t x = 0; x < head_dim; x++) os[x] += w * acc[x];
-                }
-                write_out(out, rows[s] * out_stride + qh * head_dim, os, 1.0f / total, head_dim, bf16_io);
-            }
-        }
-        free(scores);
-        free(own);
-        free(q_f32);
+        DecodeScratch scratch = kvray_decode_scratch(num_q_heads, cache.head_dim);
+        kvray_decode_attend(&plan, &scratch, q, q_stride, out, out_stride, &cache, block_tables, table_stride,
+                            seq_lens, rows, num_seqs, num_q_heads, quant);
+        kvray_decode_scratch_free(&scratch);
     }
-    free(parts);
-    free(first_part);
-    free(items);
+    kvray_decode_plan_free(&plan);
 }

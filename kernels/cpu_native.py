@@ -32,8 +32,10 @@ from typing import NamedTuple
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c", "cpu_linear.c")]
-HEADERS = [Path(__file__).with_name("cpu_vec.h")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c", "cpu_linear.c", "cpu_layer.c")
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_decode.h")]
 PANEL = {torch.float32: 16, torch.bfloat16: 32}  # output columns of a panel (kernels/cpu_linear.c)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -121,6 +123,11 @@ def library() -> ctypes.CDLL | None:
     decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]
     for fn in (lib.kvray_paged_decode_f32, lib.kvray_paged_decode_i8, lib.kvray_paged_decode_bf16):
         fn.restype, fn.argtypes = None, decode_args
+    # layers, their count, shape, x, rows, cos, sin, slots, block tables, their stride,
+    # seq_lens, q rows, num_seqs, threads
+    layers_args = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32]
+    for fn in (lib.kvray_decode_layers_f32, lib.kvray_decode_layers_bf16):
+        fn.restype, fn.argtypes = None, layers_args
     return lib
 
 
@@ -322,3 +329,61 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
         torch.get_num_threads(),
     )
     return out
+
+
+class DecodeLayer(ctypes.Structure):
+    """One layer's tensors for `decode_layers` (kernels/cpu_layer.c's DecodeLayer): data
+    pointers in the model's dtype (biases NULL when absent), the cache's, its window."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "input_norm", "post_norm", "qkv", "o", "gate_up", "down",
+            "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "k_cache", "v_cache",
+        )
+    ] + [("window", ctypes.c_int32)]  # fmt: skip
+
+
+class DecodeShape(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int32)
+        for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size")
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def decode_layers(
+    layers: ctypes.Array,
+    shape: DecodeShape,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """Every layer of a decode step in one call (kernels/cpu_layer.c): x [T, hidden]
+    contiguous, the residual stream, updated in place and returned; cos, sin fp32
+    [T, head_dim / 2]; slots int64 [T]; block_tables, seq_lens, rows as `paged_decode`
+    takes them (every row of the step a decode row)."""
+    assert x.is_contiguous() and x.dtype in DTYPES
+    assert slots.dtype == rows.dtype == torch.int64
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32
+    assert block_tables.is_contiguous() and block_tables.dtype == seq_lens.dtype == torch.int32
+    getattr(library(), f"kvray_decode_layers_{_suffix(x.dtype)}")(
+        ctypes.addressof(layers),
+        len(layers),
+        ctypes.addressof(shape),
+        x.data_ptr(),
+        x.shape[0],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        rows.data_ptr(),
+        len(rows),
+        torch.get_num_threads(),
+    )
+    return x

@@ -84,6 +84,40 @@ static inline v8 sums8(const v8 a[8]) {
     return __builtin_shuffle(u[0], u[1], lo4) + __builtin_shuffle(u[0], u[1], hi4);
 }
 
+typedef int v8i __attribute__((vector_size(32)));
+
+/* exp of 8 floats at once (Cephes' expf: 2^n times a degree-6 polynomial on the reduced
+ * argument; about 1 ulp), for arguments <= 0 as a softmax has; below -87 it gives ~0. */
+static inline v8 exp8(v8 x) {
+    const v8 floor_at = (v8){0} - 87.0f;
+    const v8i low = x < floor_at;
+    x = (v8)(((v8i)x & ~low) | ((v8i)floor_at & low));
+    const v8 fx = x * 1.44269504088896341f + 0.5f;
+    v8i ni = __builtin_convertvector(fx, v8i); /* toward zero: one too high for fx < 0 */
+    v8 n = __builtin_convertvector(ni, v8);
+    const v8i over = n > fx;
+    ni += over;
+    n += __builtin_convertvector(over, v8);
+    const v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    return y * (v8)((ni + 127) << 23);
+}
+
+/* silu(x) = x * sigmoid(x), with exp8 of -|x| only (sigmoid(x) = 1 / (1 + e) for x >= 0,
+ * e / (1 + e) below, e = exp(-|x|)) */
+static inline v8 silu8(v8 x) {
+    const v8i negative = x < 0, sign_bit = (v8i){0} + (-2147483647 - 1);
+    const v8 e = exp8((v8)((v8i)x | sign_bit)); /* exp(-|x|) */
+    const v8 r = 1.0f / (1.0f + e);
+    const v8 sigmoid = (v8)(((v8i)r & ~negative) | ((v8i)(e * r) & negative));
+    return x * sigmoid;
+}
+
 static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

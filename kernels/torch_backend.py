@@ -90,6 +90,15 @@ class _Plan:
         return self.groups
 
 
+def decode_only(meta) -> _NativeDecode | None:
+    """The native kernel's view of this step's rows when every one of them is a decode row
+    (the fused decode layers take such a step whole); else None."""
+    plan = getattr(meta, "plan", None)
+    if not isinstance(plan, _Plan) or plan.prefills or plan.native is None:
+        return None
+    return plan.native if len(plan.native.rows) == len(meta.slot_mapping) else None
+
+
 def split_by_length(lengths: list[int], group_cost: int, max_groups: int) -> list[int]:
     """Cut points splitting ascending `lengths` into groups that minimise padded work.
 

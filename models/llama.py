@@ -17,6 +17,7 @@ from torch import nn
 from kvray.errors import InvalidArgumentError
 from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata, LayerKV
+from kvray.models import native_decode
 from kvray.models.cpu_linear import linear, pack_weight, panels_for
 from kvray.models.layers import (
     PackedLinear,
@@ -161,8 +162,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        x = self.embed_tokens(input_ids) if hidden is None else hidden
+        x = self.embed_tokens(input_ids) if hidden is None else hidden.clone()
         rope = self.rotary.tables(positions, x.dtype)
+        if x.device.type == "cpu":  # a decode step's layers in one native call, where it qualifies
+            native = native_decode.for_model(self, kv_caches)
+            out = None if native is None else native.run(x, rope, meta)
+            if out is not None:
+                return out
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, backend, meta)
         return x

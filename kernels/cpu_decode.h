@@ -1,0 +1,46 @@
+/* Decode attention's pieces (kernels/cpu_decode.c), for the fused decode layers
+ * (kernels/cpu_layer.c): a plan of work items per step, scratch per thread, and the body
+ * that a parallel region's threads run together. */
+#ifndef KVRAY_CPU_DECODE_H
+#define KVRAY_CPU_DECODE_H
+#include <stdint.h>
+
+enum { F32 = 0, INT8 = 1, BF16 = 2 }; /* how a cache row holds its values */
+typedef unsigned short bf16;
+
+typedef struct {
+    const char *k_cache, *v_cache;
+    /* bytes between token rows, between blocks, between the heads of a token */
+    int64_t token_stride, block_stride, head_stride;
+    int32_t num_kv_heads, head_dim, block_size;
+    float scale;
+} Cache;
+
+typedef struct {
+    int32_t seq;
+    int32_t start, end; /* context positions [start, end) */
+    int32_t part;       /* -1: the whole (windowed) context; else its slot among the spans */
+} Item;
+
+typedef struct {
+    Item *items;
+    int32_t *first_part; /* per sequence: its first slot among the parts, or -1 (not split) */
+    float *parts;        /* split sequences' partial results: [part][q_head] max, sum, then sums */
+    int64_t num_items, per_part;
+    int32_t span, window;
+} DecodePlan;
+
+typedef struct {
+    float *scores, *own, *q_f32;
+} DecodeScratch;
+
+DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
+                             int32_t block_size, int32_t window, int32_t num_threads);
+void kvray_decode_plan_free(DecodePlan *plan);
+DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim);
+void kvray_decode_scratch_free(DecodeScratch *scratch);
+void kvray_decode_attend(const DecodePlan *plan, DecodeScratch *scratch, const void *q, int64_t q_stride, void *out,
+                         int64_t out_stride, const Cache *cache, const int32_t *block_tables, int64_t table_stride,
+                         const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs, int32_t num_q_heads,
+                         int quant);
+#endif

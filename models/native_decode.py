@@ -1,0 +1,112 @@
+"""A decode step through all of a Llama model's layers in one native call, on a CPU.
+
+At one to a few dozen sequences a decode step's layers do little work each, and running
+them as ~15 torch ops and native calls per layer costs as much again in Python and
+dispatch (BENCHMARKS.md, single stream). Where a step qualifies, `LlamaForCausalLM`
+hands its layers to `kernels/cpu_layer.c` instead: one parallel region for every layer,
+the same math and roundings as the modules (their norms, RoPE, matmul panels and decode
+attention kernels).
+
+A step qualifies when every row is a decode row (the torch attention backend's plan has
+no prompt chunk), there are at most `cpu_native.LINEAR_ROWS` of them, and the model
+qualifies: fp32 or bf16 on a CPU, no tensor parallelism, every linear in the native
+panels, a KV cache in the model's dtype (not 8-bit) with heads the decode kernel takes.
+`KVRAY_FUSED_DECODE=0` turns it off (the modules then run as before).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvray.kernels import cpu_native
+from kvray.kernels.torch_backend import decode_only
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecode:
+    """The model's layers as kernels/cpu_layer.c takes them (pointers into the model's own
+    tensors and KV caches, which outlive it)."""
+
+    def __init__(self, model, kv_caches):
+        cfg, first = model.config, model.layers[0]
+        attn = first.self_attn
+        self.dtype = first.input_layernorm.weight.dtype
+        self.shape = cpu_native.DecodeShape(
+            hidden=cfg.hidden_size,
+            num_q_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=len(first.mlp.down_proj.in_cols),
+            block_size=kv_caches[0].k.shape[1],
+            eps=first.input_layernorm.eps,
+            scale=attn.scale,
+        )
+        self.layers = (cpu_native.DecodeLayer * len(model.layers))()
+        for entry, layer, kv in zip(self.layers, model.layers, kv_caches):
+            a, mlp = layer.self_attn, layer.mlp
+            entry.input_norm = _ptr(layer.input_layernorm.weight)
+            entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
+            entry.qkv, entry.o = _ptr(a.qkv_proj.panels.data), _ptr(a.o_proj.panels.data)
+            entry.gate_up, entry.down = _ptr(mlp.gate_up_proj.panels.data), _ptr(mlp.down_proj.panels.data)
+            entry.qkv_bias, entry.o_bias = _ptr(a.qkv_proj.bias), _ptr(a.o_proj.bias)
+            entry.gate_up_bias, entry.down_bias = _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.bias)
+            entry.k_cache, entry.v_cache = _ptr(kv.k), _ptr(kv.v)
+            entry.window = a.sliding_window or 0
+
+    @staticmethod
+    def qualifies(model, kv_caches) -> bool:
+        """Whether the model's layers and caches can run here (checked once per cache set)."""
+        if os.environ.get("KVRAY_FUSED_DECODE", "1") == "0" or model.shard.tp_size != 1 or not model.layers:
+            return False
+        dtype = model.layers[0].input_layernorm.weight.dtype
+        if not cpu_native.takes(dtype, model.layers[0].input_layernorm.weight.device):
+            return False
+        for layer, kv in zip(model.layers, kv_caches):
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(lin.panels is None or lin.panels.data.dtype != dtype for lin in linears):
+                return False
+            if any(w.dtype != dtype for w in norms) or kv.k_scale is not None:
+                return False
+            if kv.k.dtype != dtype or not (kv.k.is_contiguous() and kv.v.is_contiguous()):
+                return False
+            if a.head_dim % 32 or a.num_heads % a.num_kv_heads or a.num_heads // a.num_kv_heads > 8:
+                return False
+        return True
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
+        """The hidden states out of the last layer, or None where this step does not qualify."""
+        rows = decode_only(meta)
+        if rows is None or x.dtype != self.dtype or x.shape[0] > cpu_native.LINEAR_ROWS[x.dtype]:
+            return None
+        cos, sin = rope
+        if cos.dtype != torch.float32:
+            return None
+        return cpu_native.decode_layers(
+            self.layers,
+            self.shape,
+            x.contiguous(),
+            cos.reshape(x.shape[0], -1),
+            sin.reshape(x.shape[0], -1),
+            meta.slot_mapping,
+            rows.block_tables,
+            rows.seq_lens,
+            rows.rows,
+        )
+
+
+def for_model(model, kv_caches) -> NativeDecode | None:
+    """The model's NativeDecode for these caches (built once and kept), or None."""
+    key = tuple(kv.k.data_ptr() for kv in kv_caches)
+    cached = getattr(model, "_native_decode", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    native = NativeDecode(model, kv_caches) if NativeDecode.qualifies(model, kv_caches) else None
+    model._native_decode = (key, native)
+    return native

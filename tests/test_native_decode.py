@@ -1,0 +1,163 @@
+"""The fused decode layers (kernels/cpu_layer.c, models/native_decode.py) against the
+modules they stand in for, and against transformers.
+
+Small random models whose heads the decode kernel takes (head_dim 32): Llama with GQA,
+Qwen2's q/k/v biases, Mistral's sliding window. Logits at every position of a prompt
+prefilled in chunks (the modules) and continued a token at a time (the fused layers),
+in fp32 against transformers and in bf16 against the modules' own bf16 path. Then the
+engine on SmolLM2: greedy tokens with the fused layers equal those without, a batch of
+sequences at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_no_leaks
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from kvray.engine import LLM, SamplingParams
+from kvray.kernels import cpu_native
+from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
+from kvray.models import native_decode
+from kvray.models.cpu_linear import pack_model
+from kvray.models.loader import build_model, load_config
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.library() is None, reason="no C compiler: native kernels not built"
+)
+
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(**SMALL),
+    "qwen2-bias": lambda: Qwen2Config(**SMALL),
+    "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=8),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def saved_model(request, tmp_path_factory):
+    torch.manual_seed(0)
+    config = CONFIGS[request.param]()
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+            if p.dim() == 1 and p.abs().sum() == 0:  # biases: non-zero, so that they count
+                p.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return request.param, path, hf
+
+
+def _logits(model, config, ids, prefill, dtype, block_size=16):
+    """Logits at every position: `prefill` tokens in two chunks, the rest one at a time."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    caches = [
+        LayerKV(
+            *(
+                torch.zeros(32, block_size, config.num_key_value_heads, head_dim, dtype=dtype)
+                for _ in range(2)
+            )
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
+    table = list(range(31, 0, -2))  # non-contiguous blocks
+    backend = get_backend("torch", torch.device("cpu"))
+    steps = [prefill // 2, prefill - prefill // 2] + [1] * (len(ids) - prefill)
+    logits, done = [], 0
+    for n in steps:
+        pos = list(range(done, done + n))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos]),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([done + n], dtype=torch.int32),
+            block_tables=torch.tensor([table], dtype=torch.int32),
+            query_lens=[n],
+            seq_lens_host=[done + n],
+            block_size=block_size,
+        )
+        backend.prepare(meta)
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids[done : done + n]), torch.tensor(pos), caches, backend, meta)
+            logits.append(model.compute_logits(hidden))
+        done += n
+    return torch.cat(logits)
+
+
+def _model(path, dtype):
+    model = build_model(load_config(path), path, dtype, torch.device("cpu"), 256)
+    pack_model(model, dtype, torch.device("cpu"))
+    return model
+
+
+def _count_fused(monkeypatch):
+    ran = []
+    real = native_decode.NativeDecode.run
+
+    def run(self, *a):
+        out = real(self, *a)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_decode.NativeDecode, "run", run)
+    return ran
+
+
+def test_fused_decode_matches_transformers_fp32(saved_model, monkeypatch):
+    name, path, hf = saved_model
+    ran = _count_fused(monkeypatch)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = _logits(_model(path, torch.float32), load_config(path), ids, 24, torch.float32)
+    assert ran == [False, False] + [True] * 16, name  # prompt chunks declined, every decode step fused
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, name
+
+
+def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
+    """The same roundings as the bf16 modules: logits within a few bf16 steps of theirs."""
+    name, path, _ = saved_model
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    config = load_config(path)
+    ran = _count_fused(monkeypatch)
+    fused = _logits(_model(path, torch.bfloat16), config, ids, 24, torch.bfloat16)
+    assert ran.count(True) == 16, name
+    monkeypatch.setattr(native_decode, "for_model", lambda *a: None)
+    modules = _logits(_model(path, torch.bfloat16), config, ids, 24, torch.bfloat16)
+    assert ((fused - modules).abs().max() / modules.abs().max()).item() < 2e-2, name
+    assert torch.equal(fused.argmax(-1), modules.argmax(-1)), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path, monkeypatch, dtype):
+    """SmolLM2, 5 prompts decoded together (batches of up to 5 decode rows, contexts past
+    one attention span): the fused layers give the modules' greedy tokens."""
+    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
+    ran = _count_fused(monkeypatch)
+    lengths = (3, 40, 130, 600, 9)
+    prompts = [
+        {"prompt_token_ids": [1 + i, *range(100 + 7 * i, 100 + 7 * i + n)]} for i, n in enumerate(lengths)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = LLM(model=str(smollm2_path), dtype=dtype, max_model_len=1024, enable_prefix_caching=False)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert sum(ran) >= 19  # every step after the prompts' was fused
+    assert_no_leaks(llm)
+    monkeypatch.setattr(native_decode, "for_model", lambda *a: None)
+    modules = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    agree = sum(a == b for f, m in zip(fused, modules) for a, b in zip(f, m))
+    if dtype == "float32":
+        assert fused == modules
+    else:  # bf16: the same roundings, but a near-tie may still flip a token
+        assert agree >= 0.9 * 100, (fused, modules)
+    assert_no_leaks(llm)
