@@ -11,7 +11,7 @@ measures, in one run:
 - kvray's single-stream decode rate (time of a 1+N token generation minus a 1-token one,
   same prompt, prefix caching off) and its fraction of the limit;
 - where a step's time goes (torch.profiler over decode steps at batch 1; the native CPU
-  kernels are timed by wall clock around their calls).
+  kernels, the fused decode layers among them, are timed by wall clock around their calls).
 
     .venv/bin/python benchmarks/single_stream.py [--prompt-tokens 256] [--new-tokens 128]
 """
@@ -68,7 +68,7 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
     from kvray.kernels import cpu_native
 
     wrapped = {}
-    for name in ("paged_decode", "rms_norm", "rotary_", "linear"):
+    for name in ("paged_decode", "rms_norm", "rotary_", "linear", "decode_layers"):
         real = wrapped[name] = getattr(cpu_native, name)
 
         def call(*a, _real=real, _name=name, **k):
@@ -94,7 +94,9 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
         setattr(cpu_native, name, real)
     parts: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
-        if e.key.startswith("native::paged_decode"):
+        if e.key.startswith("native::decode_layers"):
+            parts["every layer, fused (native: matmuls, attention, norms)"] += e.self_cpu_time_total
+        elif e.key.startswith("native::paged_decode"):
             parts["attention (native kernel)"] += e.self_cpu_time_total
         elif e.key.startswith("native::linear"):
             parts["weight matmuls (native panels)"] += e.self_cpu_time_total
