@@ -1,6 +1,7 @@
 """Native CPU kernels (kernels/cpu_decode.c: decode attention; kernels/cpu_ops.c: RMSNorm
 with the residual add, RoPE; kernels/cpu_linear.c: the weight matmuls of steps of a few
-rows), built on first use with the machine's C compiler and loaded through ctypes.
+rows; kernels/cpu_layer.c: all of a decode step's layers in one call, from those pieces),
+built on first use with the machine's C compiler and loaded through ctypes.
 
 The library is compiled for this processor (`-march=native`) into the user's cache
 (`$KVRAY_CACHE`, default `~/.cache/kvray`, as for models), keyed by the source, the compiler and the

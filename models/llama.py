@@ -162,11 +162,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # [T, hidden] from the previous stage
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        x = self.embed_tokens(input_ids) if hidden is None else hidden.clone()
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rotary.tables(positions, x.dtype)
         if x.device.type == "cpu":  # a decode step's layers in one native call, where it qualifies
             native = native_decode.for_model(self, kv_caches)
-            out = None if native is None else native.run(x, rope, meta)
+            # (it updates the residual stream in place: not the previous stage's tensor)
+            out = None if native is None else native.run(x if hidden is None else x.clone(), rope, meta)
             if out is not None:
                 return out
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -172,8 +172,12 @@ def test_decode_burst_grows_the_decode_pool_only(local_serve, engine_args):
     handle = _deploy(engine_args, {"target_queued_prompt_tokens": NEVER}, {"target_running_requests": 2})
     watch = ReplicaWatch()
     try:
-        bodies = _burst(handle, [f"Story number {i}:" for i in range(8)], max_tokens=96)
-        assert all(b["usage"]["completion_tokens"] == 96 for b in bodies)
+        # bursts until the pool has grown (a fast engine finishes one burst before the
+        # autoscaler's next look): the load, not the engine's speed, decides
+        bodies, deadline = [], time.monotonic() + 120
+        while watch.peak["decode"] < 2 and time.monotonic() < deadline:
+            bodies += _burst(handle, [f"Story number {i}:" for i in range(8)], max_tokens=96)
+        assert bodies and all(b["usage"]["completion_tokens"] == 96 for b in bodies)
         assert watch.wait_for("decode", 2, timeout=60) or watch.peak["decode"] == 2
         assert watch.wait_for("decode", 1, timeout=60), watch.now  # back to 1 after idle
         assert watch.peak == {"prefill": 1, "decode": 2}
