@@ -161,3 +161,29 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path,
     else:  # bf16: the same roundings, but a near-tie may still flip a token
         assert agree >= 0.9 * 100, (fused, modules)
     assert_no_leaks(llm)
+
+
+def test_speculation_verified_by_the_fused_layers_gives_plain_decodings_tokens(smollm2_path, monkeypatch):
+    """n-gram drafts verified in multi-row fused steps (each row attends causally to its
+    own position): the same greedy tokens as plain decoding, fp32."""
+    from test_spec_engine import ARGS, NGRAM, PROMPTS
+
+    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    plain = LLM(model=str(smollm2_path), **ARGS)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    spec = LLM(model=str(smollm2_path), speculative_config=NGRAM, **ARGS)
+    rows = []
+    real = native_decode.NativeDecode.run
+
+    def run(self, x, rope, meta):
+        out = real(self, x, rope, meta)
+        rows.append(x.shape[0] if out is not None else 0)
+        return out
+
+    monkeypatch.setattr(native_decode.NativeDecode, "run", run)
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
+    assert got == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    assert sum(1 for n in rows if n > len(PROMPTS)) > 0  # steps with drafts' rows went fused
+    assert_no_leaks(spec)
