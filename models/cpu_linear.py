@@ -21,6 +21,7 @@ it: AVX512 or AVX-NE-CONVERT CPUs); anything else keeps `F.linear`.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -50,6 +51,7 @@ def linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.cache
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN takes this dtype on this CPU (tried on a tiny weight)."""
     if (
@@ -65,7 +67,10 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's layout, or None where oneDNN does not take its dtype here."""
+    if not can_pack(weight.dtype, weight.device):
+        return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
@@ -79,14 +84,17 @@ def panels_for(weight: torch.Tensor) -> cpu_native.Panels | None:
 
 def pack_layer(layer: nn.Module) -> None:
     """layer.packed = its weight in oneDNN's layout, layer.panels = in the native kernel's
-    (or None); the dense `layer.weight` goes."""
+    (either may be None); the dense `layer.weight` goes once oneDNN holds a copy."""
     layer.packed, layer.panels = pack_weight(layer.weight), panels_for(layer.weight)
-    layer.weight = None
+    if layer.packed is not None:
+        layer.weight = None
 
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Pack every layer that can (modules with `pack_for_cpu`); returns how many did."""
-    if not can_pack(dtype, device):
+    """Pack every layer that can (modules with `pack_for_cpu`); returns how many did. Where
+    oneDNN does not take the dtype (bf16 on a CPU without AVX-512) the native panels still
+    do, beside the dense weights."""
+    if not (can_pack(dtype, device) or cpu_native.takes(dtype, device)):
         return 0
     packed = 0
     with torch.no_grad():
@@ -98,5 +106,6 @@ def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> in
     rows = cpu_native.LINEAR_ROWS.get(dtype)
     panels = f"; native panels for steps of up to {rows} rows" if native else ""
     name = str(dtype).removeprefix("torch.")
-    logger.info("kvray: %d linear layers packed for oneDNN (%s)%s", packed, name, panels)
+    onednn = "packed for oneDNN" if can_pack(dtype, device) else "kept dense (oneDNN does not take the dtype)"
+    logger.info("kvray: %d linear layers %s (%s)%s", packed, onednn, name, panels)
     return packed

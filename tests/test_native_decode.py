@@ -16,6 +16,7 @@ from conftest import assert_no_leaks
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from kvray.engine import LLM, SamplingParams
+from kvray.engine.dtype import cpu_has_native_bf16
 from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
 from kvray.models import native_decode
@@ -138,7 +139,16 @@ def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
     assert torch.equal(fused.argmax(-1), modules.argmax(-1)), name
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param(
+            "bfloat16",
+            marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 prompts emulated here: minutes"),
+        ),
+    ],
+)
 def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path, monkeypatch, dtype):
     """SmolLM2, 5 prompts decoded together (batches of up to 5 decode rows, contexts past
     one attention span): the fused layers give the modules' greedy tokens."""
