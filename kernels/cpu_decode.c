@@ -322,9 +322,10 @@ void kvray_decode_plan_free(DecodePlan *plan) {
     free(plan->parts);
 }
 
-DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim) {
+DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim, int32_t block_size) {
     const int64_t per_part = (int64_t)num_q_heads * (head_dim + 2);
-    return (DecodeScratch){(float *)malloc(sizeof(float) * num_q_heads * SPAN_TOKENS),
+    const int64_t longest = block_size > SPAN_TOKENS ? block_size : SPAN_TOKENS; /* a span's most positions */
+    return (DecodeScratch){(float *)malloc(sizeof(float) * num_q_heads * longest),
                            (float *)malloc(sizeof(float) * per_part),
                            (float *)malloc(sizeof(float) * num_q_heads * head_dim)};
 }
@@ -397,7 +398,7 @@ static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out
                                         num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
-        DecodeScratch scratch = kvray_decode_scratch(num_q_heads, cache.head_dim);
+        DecodeScratch scratch = kvray_decode_scratch(num_q_heads, cache.head_dim, cache.block_size);
         kvray_decode_attend(&plan, &scratch, q, q_stride, out, out_stride, &cache, block_tables, table_stride,
                             seq_lens, rows, num_seqs, num_q_heads, quant);
         kvray_decode_scratch_free(&scratch);

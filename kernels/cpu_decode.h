@@ -37,7 +37,7 @@ typedef struct {
 DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
                              int32_t block_size, int32_t window, int32_t num_threads);
 void kvray_decode_plan_free(DecodePlan *plan);
-DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim);
+DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim, int32_t block_size);
 void kvray_decode_scratch_free(DecodeScratch *scratch);
 void kvray_decode_attend(const DecodePlan *plan, DecodeScratch *scratch, const void *q, int64_t q_stride, void *out,
                          int64_t out_stride, const Cache *cache, const int32_t *block_tables, int64_t table_stride,

@@ -17,7 +17,8 @@
  *   x += a Wdown^T (+ b)                panels
  *
  * The math and the roundings are the layers' own (kernels/cpu_ops.c, the panels): in bf16
- * each op's result is rounded to bf16 as the torch layers round it. x [T, hidden] is the
+ * each op's result is rounded to bf16 as the torch layers round it. SiLU uses the kernels'
+ * own exp (cpu_vec.h), within an ulp of torch's (fp32 logits agree to ~1e-6). x [T, hidden] is the
  * residual stream, updated in place; the caller applies the final norm and the LM head.
  * Built with the other kernels by kernels/cpu_native.py.
  */
@@ -139,7 +140,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     const int64_t row = d * size, token = sh->num_kv_heads * row;
 #pragma omp parallel num_threads(num_threads)
     {
-        DecodeScratch scratch = kvray_decode_scratch(sh->num_q_heads, sh->head_dim);
+        DecodeScratch scratch = kvray_decode_scratch(sh->num_q_heads, sh->head_dim, sh->block_size);
         for (int32_t i = 0; i < num_layers; i++) {
             const DecodeLayer *l = &layers[i];
             const Cache cache = {(const char *)l->k_cache, (const char *)l->v_cache, token, sh->block_size * token, row,

@@ -63,6 +63,8 @@ class NativeDecode:
         """Whether the model's layers and caches can run here (checked once per cache set)."""
         if os.environ.get("KVRAY_FUSED_DECODE", "1") == "0" or model.shard.tp_size != 1 or not model.layers:
             return False
+        if len(kv_caches) != len(model.layers):
+            return False
         dtype = model.layers[0].input_layernorm.weight.dtype
         if not cpu_native.takes(dtype, model.layers[0].input_layernorm.weight.device):
             return False
@@ -72,9 +74,12 @@ class NativeDecode:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(lin.panels is None or lin.panels.data.dtype != dtype for lin in linears):
                 return False
+            biases = [lin.bias for lin in linears if lin.bias is not None]
+            if any(b.dtype != dtype or not b.is_contiguous() for b in biases):
+                return False
             if any(w.dtype != dtype for w in norms) or kv.k_scale is not None:
                 return False
-            if kv.k.dtype != dtype or not (kv.k.is_contiguous() and kv.v.is_contiguous()):
+            if any(c.dtype != dtype or not c.is_contiguous() for c in (kv.k, kv.v)):
                 return False
             if a.head_dim % 32 or a.num_heads % a.num_kv_heads or a.num_heads // a.num_kv_heads > 8:
                 return False
