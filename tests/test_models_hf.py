@@ -65,14 +65,16 @@ def _arch(config) -> str:
     ]
 
 
-def _kvray_logits(model, config, ids: list[int], prefill_chunks: list[int], block_size=4):
+def _kvray_logits(
+    model, config, ids: list[int], prefill_chunks: list[int], block_size=4, dtype=torch.float32
+):
     """Logits at every position: prompt prefilled in the given chunks, the rest decoded."""
     head_dim = config.hidden_size // config.num_attention_heads
     num_blocks = 64
     caches = [
         LayerKV(
-            torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim),
-            torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim),
+            torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim, dtype=dtype),
+            torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim, dtype=dtype),
         )
         for _ in range(config.num_hidden_layers)
     ]

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_no_leaks
+from test_models_hf import _kvray_logits
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from kvray.engine import LLM, SamplingParams
 from kvray.engine.dtype import cpu_has_native_bf16
 from kvray.kernels import cpu_native
-from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
 from kvray.models import native_decode
 from kvray.models.cpu_linear import pack_model
 from kvray.models.loader import build_model, load_config
@@ -60,41 +60,6 @@ def saved_model(request, tmp_path_factory):
     return request.param, path, hf
 
 
-def _logits(model, config, ids, prefill, dtype, block_size=16):
-    """Logits at every position: `prefill` tokens in two chunks, the rest one at a time."""
-    head_dim = config.hidden_size // config.num_attention_heads
-    caches = [
-        LayerKV(
-            *(
-                torch.zeros(32, block_size, config.num_key_value_heads, head_dim, dtype=dtype)
-                for _ in range(2)
-            )
-        )
-        for _ in range(config.num_hidden_layers)
-    ]
-    table = list(range(31, 0, -2))  # non-contiguous blocks
-    backend = get_backend("torch", torch.device("cpu"))
-    steps = [prefill // 2, prefill - prefill // 2] + [1] * (len(ids) - prefill)
-    logits, done = [], 0
-    for n in steps:
-        pos = list(range(done, done + n))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos]),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([done + n], dtype=torch.int32),
-            block_tables=torch.tensor([table], dtype=torch.int32),
-            query_lens=[n],
-            seq_lens_host=[done + n],
-            block_size=block_size,
-        )
-        backend.prepare(meta)
-        with torch.no_grad():
-            hidden = model(torch.tensor(ids[done : done + n]), torch.tensor(pos), caches, backend, meta)
-            logits.append(model.compute_logits(hidden))
-        done += n
-    return torch.cat(logits)
-
-
 def _model(path, dtype):
     model = build_model(load_config(path), path, dtype, torch.device("cpu"), 256)
     pack_model(model, dtype, torch.device("cpu"))
@@ -102,24 +67,25 @@ def _model(path, dtype):
 
 
 def _count_fused(monkeypatch):
-    ran = []
+    """The rows of each step the fused layers ran (0: a step they declined)."""
+    rows = []
     real = native_decode.NativeDecode.run
 
-    def run(self, *a):
-        out = real(self, *a)
-        ran.append(out is not None)
+    def run(self, x, rope, meta):
+        out = real(self, x, rope, meta)
+        rows.append(x.shape[0] if out is not None else 0)
         return out
 
     monkeypatch.setattr(native_decode.NativeDecode, "run", run)
-    return ran
+    return rows
 
 
 def test_fused_decode_matches_transformers_fp32(saved_model, monkeypatch):
     name, path, hf = saved_model
     ran = _count_fused(monkeypatch)
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    got = _logits(_model(path, torch.float32), load_config(path), ids, 24, torch.float32)
-    assert ran == [False, False] + [True] * 16, name  # prompt chunks declined, every decode step fused
+    got = _kvray_logits(_model(path, torch.float32), load_config(path), ids, [12, 12])
+    assert ran == [0, 0] + [1] * 16, name  # prompt chunks declined, every decode step fused
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, name
@@ -131,10 +97,10 @@ def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     config = load_config(path)
     ran = _count_fused(monkeypatch)
-    fused = _logits(_model(path, torch.bfloat16), config, ids, 24, torch.bfloat16)
-    assert ran.count(True) == 16, name
+    fused = _kvray_logits(_model(path, torch.bfloat16), config, ids, [12, 12], dtype=torch.bfloat16)
+    assert ran == [0, 0] + [1] * 16, name
     monkeypatch.setattr(native_decode, "for_model", lambda *a: None)
-    modules = _logits(_model(path, torch.bfloat16), config, ids, 24, torch.bfloat16)
+    modules = _kvray_logits(_model(path, torch.bfloat16), config, ids, [12, 12], dtype=torch.bfloat16)
     assert ((fused - modules).abs().max() / modules.abs().max()).item() < 2e-2, name
     assert torch.equal(fused.argmax(-1), modules.argmax(-1)), name
 
@@ -161,7 +127,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path,
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm = LLM(model=str(smollm2_path), dtype=dtype, max_model_len=1024, enable_prefix_caching=False)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert sum(ran) >= 19  # every step after the prompts' was fused
+    assert sum(1 for n in ran if n) >= 19  # every step after the prompts' was fused
     assert_no_leaks(llm)
     monkeypatch.setattr(native_decode, "for_model", lambda *a: None)
     modules = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -183,15 +149,7 @@ def test_speculation_verified_by_the_fused_layers_gives_plain_decodings_tokens(s
     plain = LLM(model=str(smollm2_path), **ARGS)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     spec = LLM(model=str(smollm2_path), speculative_config=NGRAM, **ARGS)
-    rows = []
-    real = native_decode.NativeDecode.run
-
-    def run(self, x, rope, meta):
-        out = real(self, x, rope, meta)
-        rows.append(x.shape[0] if out is not None else 0)
-        return out
-
-    monkeypatch.setattr(native_decode.NativeDecode, "run", run)
+    rows = _count_fused(monkeypatch)
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
     assert got == want
     assert spec.engine.spec_stats.num_accepted_tokens > 0

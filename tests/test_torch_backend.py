@@ -60,6 +60,19 @@ def _attend(batch, q_lens, seq_lens, block_size, window):
     return backend.forward(batch["q"], k, v, k_cache, v_cache, meta, 0.125, window, *scales)
 
 
+def _native_calls(monkeypatch, native: bool) -> list:
+    """The native kernel's calls from here on; with `native` False the library is hidden
+    (the torch path runs), with it True the test is skipped where it is not built."""
+    if native and cpu_native.library() is None:
+        pytest.skip("no C compiler here: the native kernel is not built")
+    if not native:
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    calls = []
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
 def _check(out, batch, window):
     if "k_scale" in batch:  # the reference reads the 8-bit cache as written, dequantized
         batch = dequantized(batch)
@@ -134,13 +147,7 @@ def test_bf16_cache_matches_float64(monkeypatch, native, q_lens, seq_lens, windo
     """bf16 q and caches (a bf16 model's): the native kernel reads the bf16 rows, computes
     in fp32 and rounds the output once; the torch path runs in bf16. Bound: 1 % of the
     largest value (bf16 keeps 8 bits)."""
-    if native and cpu_native.library() is None:
-        pytest.skip("no C compiler here: the native kernel is not built")
-    if not native:
-        monkeypatch.setattr(cpu_native, "library", lambda: None)
-    calls = []
-    real = cpu_native.paged_decode
-    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(a) or real(*a))
+    calls = _native_calls(monkeypatch, native)
     batch = make_batch(q_lens, seq_lens, 3, 3, 64, 16, torch.bfloat16, device="cpu")
     out = _attend(batch, q_lens, seq_lens, 16, window)
     assert out.dtype == torch.bfloat16 and len(calls) == int(native)
@@ -159,13 +166,7 @@ def test_int8_cache_matches_float64_of_its_dequantized_values(
     """An int8 cache on every path (native decode rows, torch decode groups, prefill
     chunks reading their prefix, fresh prefills): the reference is float64 attention over
     the cache's codes times scales as they stand after the step's writes."""
-    if native and cpu_native.library() is None:
-        pytest.skip("no C compiler here: the native kernel is not built")
-    if not native:
-        monkeypatch.setattr(cpu_native, "library", lambda: None)
-    calls = []
-    real = cpu_native.paged_decode
-    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: calls.append(a) or real(*a))
+    calls = _native_calls(monkeypatch, native)
     batch = make_batch(Q_LENS, SEQ_LENS, num_kv_heads, group, head_dim, 16, torch.float32, device="cpu")
     batch = quantize_batch(batch, "int8")
     before = batch["k_cache"].clone()
