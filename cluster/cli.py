@@ -75,6 +75,7 @@ BENCHMARKS = {
     "spec": "spec_decode.py",
     "kv-int8": "kv_int8.py",
     "step-times": "step_times.py",
+    "planner": "planner_live.py",
 }
 
 

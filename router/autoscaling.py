@@ -76,9 +76,9 @@ def read_waiting(app_name: str, role: str) -> dict[str, float]:
     return total
 
 
-def desired_workers(role: str, targets: dict, current: int, metrics: dict[str, list[float]]) -> int:
+def desired_workers(role: str, targets: dict, current: int, metrics: dict[str, list[float]]) -> int | None:
     """The pool size every signal asks for, at most (`metrics`: signal -> one value per
-    running replica). No signals yet: keep the current size."""
+    running replica). None where no signal with a target has a value yet (no opinion)."""
     asks = []
     for signal in SIGNALS[role]:
         values = metrics.get(signal)
@@ -92,7 +92,7 @@ def desired_workers(role: str, targets: dict, current: int, metrics: dict[str, l
             target = targets.get(MEANS[signal])
             if target:
                 asks.append(math.ceil(current * (sum(values) / len(values)) / target))
-    return max(asks) if asks else current
+    return max(asks) if asks else None
 
 
 class PoolPolicy:
@@ -133,10 +133,11 @@ class PoolPolicy:
             if signal in SUMMED and value:  # one more addend of the sum
                 metrics.setdefault(signal, []).append(value)
         want = desired_workers(self.role, self.targets, ctx.current_num_replicas, metrics)
-        if self.sizing is not None:
-            planned = self.sizing.ask()
-            if planned is not None:
-                want = planned if not metrics else max(want, planned)
+        planned = self.sizing.ask() if self.sizing is not None else None
+        if planned is not None:
+            want = planned if want is None else max(want, planned)
+        if want is None:  # no signal has an opinion yet: keep the size
+            want = ctx.current_num_replicas
         return max(want, 1), ctx.policy_state
 
     def _waiting(self) -> dict[str, float]:

@@ -75,15 +75,16 @@ class PlannerSizing:
         self.history: deque[tuple[float, tuple[float, float, float]]] = deque()
 
     def ask(self) -> int | None:
-        """Workers this pool needs for the rate of the last window; None until a window
-        holds finished requests (the pool's other signals decide meanwhile)."""
+        """Workers this pool needs for the rate of the last window: one after a whole
+        window in which no request finished (idle), None before the first window has
+        either (the pool's other signals decide meanwhile)."""
         now = self.clock()
         self.history.append((now, self.totals()))
         while len(self.history) > 2 and now - self.history[1][0] >= self.cfg.window_seconds:
             self.history.popleft()
         (t0, (r0, p0, o0)), (t1, (r1, p1, o1)) = self.history[0], self.history[-1]
         if t1 - t0 <= 0 or r1 <= r0:
-            return None
+            return 1 if t1 - t0 >= self.cfg.window_seconds else None
         rate = (r1 - r0) / (t1 - t0)
         prompt, output = (p1 - p0) / (r1 - r0), (o1 - o0) / (r1 - r0)
         per_worker = self.per_worker(prompt, output)

@@ -31,7 +31,7 @@ def test_prefill_asks_for_queued_tokens_over_target_and_scales_ttft_with_the_poo
     metrics = {"queued_prompt_tokens": [100, 0], "ttft_seconds": [2.0, 4.0]}
     assert desired_workers("prefill", TARGETS, 2, metrics) == 3
     # decode signals do not move a prefill pool
-    assert desired_workers("prefill", TARGETS, 1, {"running_requests": [50], "kv_cache_usage": [1.0]}) == 1
+    assert desired_workers("prefill", TARGETS, 1, {"running_requests": [50], "kv_cache_usage": [1.0]}) is None
 
 
 def test_decode_asks_for_kv_usage_and_requests():
@@ -41,7 +41,7 @@ def test_decode_asks_for_kv_usage_and_requests():
     # idle: every ask is 0
     idle = {"kv_cache_usage": [0, 0, 0], "running_requests": [0, 0, 0]}
     assert desired_workers("decode", TARGETS, 3, idle) == 0
-    assert desired_workers("decode", TARGETS, 3, {}) == 3  # no signals yet: keep the size
+    assert desired_workers("decode", TARGETS, 3, {}) is None  # no signals yet: no opinion
 
 
 def test_policy_never_asks_for_zero_and_keeps_its_state():
@@ -289,3 +289,28 @@ def test_the_planners_ask_joins_the_pools_other_signals():
     )
     assert cfg["policy"]["policy_kwargs"]["planner"]["ttft_seconds"] == 1.5
     assert cfg["policy"]["policy_kwargs"]["engine"] == engine
+
+
+def test_a_planner_alone_shrinks_the_pool_when_the_rate_falls_and_when_idle():
+    """With every other signal off, the workers' reports carry no opinion: the planner's ask
+    is the size, down as well as up (one worker after a window with nothing finished)."""
+    off = dict.fromkeys(TARGETS)
+    planner = {"ttft_seconds": 1.5, "tpot_seconds": 0.025, "window_seconds": 10.0}
+    engine = {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "max_model_len": 8192}
+    finished = [(0.0, 0.0, 0.0), (400.0, 400.0 * 1740, 400.0 * 90)]  # 40 req/s of summaries
+    finished += [(401.0, 401.0 * 1740, 401.0 * 90)]  # then 1 request in 10 s
+    finished += [finished[-1]]  # then nothing for a window
+    totals = iter(finished)
+    policy = PoolPolicy("prefill", off, planner=planner, engine=engine, totals=lambda: next(totals))
+    policy.sizing.clock = iter([0.0, 10.0, 20.0, 30.0]).__next__
+    ctx = SimpleNamespace(
+        aggregated_metrics={"queued_prompt_tokens": {"r1": 0.0}, "ttft_seconds": {"r1": 9.0}},
+        current_num_replicas=2,
+        policy_state={},
+    )
+    assert policy(ctx)[0] == 2  # no rate yet: keep the size
+    ctx.current_num_replicas = policy(ctx)[0]
+    assert ctx.current_num_replicas > 2  # 40 req/s of 1,740-token prompts
+    assert policy(ctx)[0] == 1  # 0.1 req/s: one H100 takes it
+    ctx.current_num_replicas = 3
+    assert policy(ctx)[0] == 1  # a whole window without a finished request
