@@ -3,10 +3,13 @@
  * One query token per sequence. A decode step's attention on a CPU is bound by reading K
  * and V, so the kernel reads each byte once, in the order it lies in memory:
  *
- * - A work item is one sequence's context, or a span of at most SPAN_TOKENS of it (a long
- *   context is split, and a step of few sequences into spans down to MIN_SPAN_TOKENS, so
- *   that every thread has work, even for one sequence). It covers all
- *   heads: each cache block (block_size token rows of every KV head) is read front to back.
+ * - A work item is one sequence's context, or a span of SPAN_TOKENS of it (a long context
+ *   is split at multiples of SPAN_TOKENS), over all KV heads: each cache block (block_size
+ *   token rows of every KV head) is read front to back. A step of too few items for its
+ *   threads splits each item by KV head instead, so that one sequence alone keeps every
+ *   thread busy. Heads never meet in the math, so a row's result depends on its own context
+ *   only, never on the step's other rows (batch-invariant: a token verified among
+ *   speculative drafts rounds as it does in a one-row step).
  * - Pass 1 turns each key row into the scores of every query head; a softmax per head;
  *   pass 2 adds up the value rows, one block at a time, with the accumulators of one head
  *   slice in registers (the block stays in L1 while its head slices are visited).
@@ -38,8 +41,7 @@
 #include "cpu_decode.h"
 #include "cpu_vec.h"
 
-#define SPAN_TOKENS 512     /* the most context positions one work item covers */
-#define MIN_SPAN_TOKENS 128 /* the fewest a split takes (few sequences: every thread gets work) */
+#define SPAN_TOKENS 512 /* the most context positions one work item covers */
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1 /* how many blocks ahead rows are prefetched */
 #endif
@@ -84,10 +86,10 @@ static inline v8 load_row8(const char *row, int32_t x, const int quant) {
 /* The same row of the next block of the span (`next`: that block, or NULL past the span):
  * its blocks are scattered, so the hardware prefetcher cannot know where the next one
  * lies; asking a block ahead hides the latency. */
-static inline void prefetch_row(const char *next, const Cache *c, int64_t offset) {
+static inline void prefetch_row(const char *next, const Cache *c, int64_t offset, int32_t h0, int32_t h1) {
     if (next == 0) return;
-    const char *row = next + offset * c->token_stride;
-    for (int64_t x = 0; x < c->token_stride; x += 64) __builtin_prefetch(row + x);
+    const char *row = next + offset * c->token_stride + h0 * c->head_stride;
+    for (int64_t x = 0; x < (h1 - h0) * c->head_stride; x += 64) __builtin_prefetch(row + x);
 }
 
 /* The block of the span after the one that starts at position b0, or NULL */
@@ -112,12 +114,12 @@ static inline int64_t num_spans(int32_t len, int32_t window, int32_t span) {
  * acc[q_h][:] = sum_i exp(s_i - m) v_i, max_out[q_h] = m, sum_out[q_h] = sum_i exp(s_i - m). */
 static inline __attribute__((always_inline)) void attend_span(const Cache *c, const float *qs,
                                                               const int32_t *table, int32_t start,
-                                                              int32_t end, float *scores, float *acc,
+                                                              int32_t end, int32_t h0, int32_t h1,
+                                                              float *scores, float *acc,
                                                               float *max_out, float *sum_out,
                                                               const int group, const int quant) {
     const int64_t n = end - start;
-    const int32_t hkv = c->num_kv_heads, d = c->head_dim, bs = c->block_size;
-    const int32_t num_q_heads = hkv * group;
+    const int32_t d = c->head_dim, bs = c->block_size;
     /* pass 1: scores[q_h][i] = q_h . k_i * scale, each key row read once, front to back,
      * a block at a time (one division per block, none per row), in chunks of 8 rows: per
      * KV head, the chunk's rows (widened to fp32 once, bf16 or int8) meet each of the
@@ -133,10 +135,10 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
         for (int64_t t0 = b0; t0 < b1; t0 += 8) {
             const int rows = b1 - t0 < 8 ? (int)(b1 - t0) : 8;
             for (int r = 0; r < rows; r++) {
-                prefetch_row(next, c, t0 + r - first);
-                prefetch_row(values, c, t0 + r - first);
+                prefetch_row(next, c, t0 + r - first, h0, h1);
+                prefetch_row(values, c, t0 + r - first, h0, h1);
             }
-            for (int32_t h = 0; h < hkv; h++) {
+            for (int32_t h = h0; h < h1; h++) {
                 const float *k[8];
                 v8 row_scales = {1, 1, 1, 1, 1, 1, 1, 1};
                 for (int r = 0; r < 8; r++) {
@@ -169,7 +171,7 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
             }
         }
     }
-    for (int32_t qh = 0; qh < num_q_heads; qh++)
+    for (int32_t qh = h0 * group; qh < h1 * group; qh++)
         sum_out[qh] = softmax_numerators(scores + qh * n, n, &max_out[qh]);
     /* pass 2: acc[q_h] = sum_i p[q_h][i] v_i, block by block; within a block, one head
      * slice of SLICE vectors at a time with the accumulators of its query heads in registers */
@@ -177,8 +179,8 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
         const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
         const char *block = c->v_cache + table[b0 / bs] * c->block_stride;
         const char *next = next_block(c->v_cache, c, table, b0, end);
-        for (int64_t t = b0; t < b1; t++) prefetch_row(next, c, t - first);
-        for (int32_t h = 0; h < hkv; h++) {
+        for (int64_t t = b0; t < b1; t++) prefetch_row(next, c, t - first, h0, h1);
+        for (int32_t h = h0; h < h1; h++) {
             for (int32_t x0 = 0; x0 < d; x0 += 8 * SLICE) {
                 v8 a[8][SLICE];
                 for (int g = 0; g < group; g++)
@@ -204,7 +206,8 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
 /* one instantiation per (group, quant): both are constants inside attend_span */
 static void attend_item(const Cache *c, const float *qs, const int32_t *table, const Item *it, float *scores,
                         float *acc, float *max_out, float *sum_out, int group, int quant) {
-#define SPAN(G, Q) attend_span(c, qs, table, it->start, it->end, scores, acc, max_out, sum_out, G, Q)
+#define SPAN(G, Q) \
+    attend_span(c, qs, table, it->start, it->end, it->head0, it->head0 + it->heads, scores, acc, max_out, sum_out, G, Q)
 #define GROUPS(Q)                 \
     switch (group) {              \
         case 1: SPAN(1, Q); break; \
@@ -281,21 +284,19 @@ void kvray_paged_decode_bf16(const bf16 *q, int64_t q_stride, bf16 *out, int64_t
                  num_q_heads, window, num_threads, BF16);
 }
 
-DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
-                             int32_t block_size, int32_t window, int32_t num_threads) {
-    /* spans: whole blocks, at most SPAN_TOKENS positions (the first may start mid-block), and
-     * short enough that a step of few sequences still gives every thread two items */
-    int64_t attended = 0;
-    for (int32_t s = 0; s < num_seqs; s++) attended += seq_lens[s] - window_start(seq_lens[s], window);
-    int64_t want = attended / (2 * (int64_t)num_threads);
-    want = want < MIN_SPAN_TOKENS ? MIN_SPAN_TOKENS : want > SPAN_TOKENS ? SPAN_TOKENS : want;
-    const int32_t span = want / block_size * block_size > 0 ? (int32_t)(want / block_size * block_size) : block_size;
-    int64_t num_items = 0, num_parts = 0;
+DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads,
+                             int32_t head_dim, int32_t block_size, int32_t window, int32_t num_threads) {
+    /* spans: whole blocks (the first may start mid-block), cut at multiples of `span` */
+    const int32_t span = SPAN_TOKENS / block_size * block_size > 0 ? SPAN_TOKENS / block_size * block_size : block_size;
+    int64_t num_spans_all = 0, num_parts = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
         const int64_t pieces = num_spans(seq_lens[s], window, span);
-        num_items += pieces;
+        num_spans_all += pieces;
         if (pieces > 1) num_parts += pieces;
     }
+    /* too few spans to give every thread two: one item per span and KV head */
+    const int32_t per_item = num_spans_all < 2 * (int64_t)num_threads ? 1 : num_kv_heads;
+    const int64_t num_items = num_spans_all * (num_kv_heads / per_item);
     DecodePlan plan = {(Item *)malloc(sizeof(Item) * num_items), (int32_t *)malloc(sizeof(int32_t) * (num_seqs + 1)),
                        NULL, num_items, (int64_t)num_q_heads * (head_dim + 2), span, window};
     int64_t k = 0, part = 0;
@@ -307,7 +308,8 @@ DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t 
         for (int64_t p = 0; p < pieces; p++) {
             const int32_t lo = p == 0 ? start : (int32_t)((start / span + p) * span);
             const int32_t hi = (start / span + p + 1) * span < len ? (int32_t)((start / span + p + 1) * span) : len;
-            plan.items[k++] = (Item){s, lo, hi, pieces > 1 ? (int32_t)(part + p) : -1};
+            for (int32_t h = 0; h < num_kv_heads; h += per_item)
+                plan.items[k++] = (Item){s, lo, hi, pieces > 1 ? (int32_t)(part + p) : -1, h, per_item};
         }
         if (pieces > 1) part += pieces;
     }
@@ -350,17 +352,18 @@ void kvray_decode_attend(const DecodePlan *plan, DecodeScratch *scratch, const v
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < plan->num_items; i++) {
         const Item *it = &plan->items[i];
+        const int32_t qh0 = it->head0 * group, qh1 = (it->head0 + it->heads) * group;
         const float *qs = (const float *)q + rows[it->seq] * q_stride;
-        if (bf16_io) { /* the item's query, widened once */
+        if (bf16_io) { /* the item's heads of the query, widened once */
             const bf16 *qb = (const bf16 *)q + rows[it->seq] * q_stride;
-            for (int32_t x = 0; x < num_q_heads * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
+            for (int32_t x = qh0 * head_dim; x < qh1 * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
             qs = q_f32;
         }
         float *base = it->part < 0 ? own : plan->parts + it->part * per_part;
         float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
         attend_item(cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group, quant);
         if (it->part < 0) {
-            for (int32_t qh = 0; qh < num_q_heads; qh++)
+            for (int32_t qh = qh0; qh < qh1; qh++)
                 write_out(out, rows[it->seq] * out_stride + qh * head_dim, acc + qh * head_dim, 1.0f / sm[qh],
                           head_dim, bf16_io);
         }
@@ -394,8 +397,8 @@ static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                          const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
                          int32_t num_threads, int quant) {
-    DecodePlan plan = kvray_decode_plan(seq_lens, num_seqs, num_q_heads, cache.head_dim, cache.block_size, window,
-                                        num_threads);
+    DecodePlan plan = kvray_decode_plan(seq_lens, num_seqs, num_q_heads, cache.num_kv_heads, cache.head_dim,
+                                        cache.block_size, window, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         DecodeScratch scratch = kvray_decode_scratch(num_q_heads, cache.head_dim, cache.block_size);

@@ -20,6 +20,7 @@ typedef struct {
     int32_t seq;
     int32_t start, end; /* context positions [start, end) */
     int32_t part;       /* -1: the whole (windowed) context; else its slot among the spans */
+    int32_t head0, heads; /* the KV heads it covers */
 } Item;
 
 typedef struct {
@@ -34,8 +35,8 @@ typedef struct {
     float *scores, *own, *q_f32;
 } DecodeScratch;
 
-DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
-                             int32_t block_size, int32_t window, int32_t num_threads);
+DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads,
+                             int32_t head_dim, int32_t block_size, int32_t window, int32_t num_threads);
 void kvray_decode_plan_free(DecodePlan *plan);
 DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim, int32_t block_size);
 void kvray_decode_scratch_free(DecodeScratch *scratch);

@@ -132,8 +132,8 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         for (int32_t j = 0; j < num_plans; j++)
             if (plans[j].window == layers[i].window) plan_of[i] = j;
         if (plan_of[i] < 0) {
-            plans[num_plans] = kvray_decode_plan(seq_lens, num_seqs, sh->num_q_heads, sh->head_dim, sh->block_size,
-                                                 layers[i].window, num_threads);
+            plans[num_plans] = kvray_decode_plan(seq_lens, num_seqs, sh->num_q_heads, sh->num_kv_heads, sh->head_dim,
+                                                 sh->block_size, layers[i].window, num_threads);
             plan_of[i] = num_plans++;
         }
     }

@@ -97,7 +97,11 @@ void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, c
  *   lane's pair by the same pair of x (broadcast) and adds both products to that column's
  *   fp32 sum (cpu_native.to_panels_bf16 builds it).
  * - For each group of up to 8 rows of x, 16 accumulators hold the 8 x 32 sums; out is
- *   the sum plus the bias, rounded to bf16 once.
+ *   the sum plus the bias, rounded to bf16 once. Each sum runs over k in order in one
+ *   accumulator for any number of rows, so a row's result is the same in a step of 1 row
+ *   or of 20 (batch-invariant: speculation's verified tokens equal plain decoding's). One
+ *   accumulator per sum costs nothing at 1-5 rows: the weight streams from DRAM slower
+ *   than the adds' latency (BENCHMARKS.md, speculative decoding).
  * Without AVX512-BF16 the same sums run in portable C (for tests on other CPUs: dtype
  * "auto" picks bf16 only where the CPU multiplies it natively).
  */
@@ -133,46 +137,26 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
                                                             int64_t pairs, bf16 *out, int64_t out_stride,
                                                             const bf16 *bias, int cols, int accumulate,
                                                             const int rows) {
-    /* few rows: each sum in CHAINS accumulators (k pairs taken in turn), so that the
-     * adds of one tile do not wait on each other's latency */
-    enum { CHAINS = 4 };
-    const int chains = rows <= 2 ? CHAINS : 1;
-    __m512 acc[MAX_ROWS_BF16][2][CHAINS];
-    for (int i = 0; i < rows; i++)
-        for (int c = 0; c < chains; c++) acc[i][0][c] = acc[i][1][c] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + chains <= pairs; j += chains) {
-        for (int c = 0; c < chains; c++) {
-            const bf16 *w = panel + (j + c) * 2 * PANEL_BF16;
-            const __m512bh lo = (__m512bh)_mm512_loadu_si512(w), hi = (__m512bh)_mm512_loadu_si512(w + PANEL_BF16);
-            for (int i = 0; i < rows; i++) {
-                int32_t pair;
-                memcpy(&pair, x + i * x_stride + 2 * (j + c), sizeof(pair));
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-                acc[i][0][c] = _mm512_dpbf16_ps(acc[i][0][c], xb, lo);
-                acc[i][1][c] = _mm512_dpbf16_ps(acc[i][1][c], xb, hi);
-            }
-        }
-    }
-    for (; j < pairs; j++) { /* the last pairs, into the first chain */
+    /* one fp32 sum per output, over k in order, whatever the tile's rows: a row's result
+     * does not depend on how many rows the step has (a decode step's token and the same
+     * token among a verification's drafts round alike) */
+    __m512 acc[MAX_ROWS_BF16][2];
+    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
         const bf16 *w = panel + j * 2 * PANEL_BF16;
         const __m512bh lo = (__m512bh)_mm512_loadu_si512(w), hi = (__m512bh)_mm512_loadu_si512(w + PANEL_BF16);
         for (int i = 0; i < rows; i++) {
             int32_t pair;
             memcpy(&pair, x + i * x_stride + 2 * j, sizeof(pair));
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            acc[i][0][0] = _mm512_dpbf16_ps(acc[i][0][0], xb, lo);
-            acc[i][1][0] = _mm512_dpbf16_ps(acc[i][1][0], xb, hi);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, lo);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, hi);
         }
     }
     float sums[MAX_ROWS_BF16 * PANEL_BF16];
     for (int i = 0; i < rows; i++) {
-        for (int c = 1; c < chains; c++) {
-            acc[i][0][0] = _mm512_add_ps(acc[i][0][0], acc[i][0][c]);
-            acc[i][1][0] = _mm512_add_ps(acc[i][1][0], acc[i][1][c]);
-        }
-        _mm512_storeu_ps(sums + i * PANEL_BF16, acc[i][0][0]);
-        _mm512_storeu_ps(sums + i * PANEL_BF16 + 16, acc[i][1][0]);
+        _mm512_storeu_ps(sums + i * PANEL_BF16, acc[i][0]);
+        _mm512_storeu_ps(sums + i * PANEL_BF16 + 16, acc[i][1]);
     }
     store_tile_bf16(sums, rows, cols, bias, out, out_stride, accumulate);
 }
@@ -210,12 +194,14 @@ static const tile_bf16_fn TILES_BF16[MAX_ROWS_BF16 + 1] = {0,           tile_bf1
 void kvray_linear_body_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
                             int64_t out_stride, int64_t m, int64_t n, int64_t k, int accumulate) {
     const int64_t panels = (n + PANEL_BF16 - 1) / PANEL_BF16, pairs = k / 2;
+    /* rows shared evenly among the fewest tiles (9 rows: 5 + 4, not 8 + 1) */
+    const int64_t tiles = (m + MAX_ROWS_BF16 - 1) / MAX_ROWS_BF16, per_tile = (m + tiles - 1) / tiles;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const int cols = n - p * PANEL_BF16 < PANEL_BF16 ? (int)(n - p * PANEL_BF16) : PANEL_BF16;
         const bf16 *b = bias ? bias + p * PANEL_BF16 : 0;
-        for (int64_t r = 0; r < m; r += MAX_ROWS_BF16) {
-            const int rows = m - r < MAX_ROWS_BF16 ? (int)(m - r) : MAX_ROWS_BF16;
+        for (int64_t r = 0; r < m; r += per_tile) {
+            const int rows = m - r < per_tile ? (int)(m - r) : (int)per_tile;
             TILES_BF16[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL_BF16, pairs,
                              out + r * out_stride + p * PANEL_BF16, out_stride, b, cols, accumulate);
         }

@@ -34,8 +34,10 @@ from kvray.kernels.reference import context_mask
 _GROUP_COST_TOKENS = 1024
 _MAX_DECODE_GROUPS = 4
 # Queries of at most this many tokens attend a row at a time, like decodes (a decode
-# verifying drafts is 1 + k tokens); longer ones take the prefill path.
-_SHORT_QUERY = 8
+# verifying drafts is 1 + k tokens, k <= 16 in SpeculativeConfig); longer ones take the
+# prefill path. Every verification then runs the decode kernels, whose rows round as in
+# a one-row step: greedy speculation gives plain decoding's tokens in bf16 too.
+_SHORT_QUERY = 17
 
 
 @dataclass(frozen=True)

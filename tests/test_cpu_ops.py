@@ -167,6 +167,19 @@ def test_linear_bf16_against_float64(rows, n, k):
     assert cpu_native.to_panels(weight[:, :-1]) is None  # an odd k: not this kernel's
 
 
+def test_linear_bf16_rows_do_not_depend_on_the_rows_beside_them():
+    """A row's result is bitwise the same alone and among up to 17 (batch-invariant): each
+    sum runs over k in one order at any tile height, so a token decoded alone and the same
+    token among a verification's drafts round alike."""
+    gen = torch.Generator().manual_seed(7)
+    for n, k in ((960, 576), (1536, 576), (576, 1536)):
+        panels = cpu_native.to_panels(_bf16(n, k, gen=gen, scale=k**-0.5))
+        x = _bf16(17, k, gen=gen)
+        alone = torch.cat([cpu_native.linear(x[i : i + 1], panels, None) for i in range(17)])
+        for rows in (2, 3, 5, 9, 17):
+            assert torch.equal(cpu_native.linear(x[:rows], panels, None), alone[:rows]), (n, k, rows)
+
+
 def test_bf16_layers_take_the_native_paths_and_agree_with_torch(monkeypatch):
     """A bf16 RMSNorm, its fused add and a packed bf16 linear give what the pure-torch
     (bf16) paths give, within bf16's rounding."""

@@ -83,8 +83,8 @@ def _count_fused(monkeypatch):
 def test_fused_decode_matches_transformers_fp32(saved_model, monkeypatch):
     name, path, hf = saved_model
     ran = _count_fused(monkeypatch)
-    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    got = _kvray_logits(_model(path, torch.float32), load_config(path), ids, [12, 12])
+    ids = torch.randint(0, 256, (52,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = _kvray_logits(_model(path, torch.float32), load_config(path), ids, [18, 18])
     assert ran == [0, 0] + [1] * 16, name  # prompt chunks declined, every decode step fused
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
@@ -94,15 +94,30 @@ def test_fused_decode_matches_transformers_fp32(saved_model, monkeypatch):
 def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
     """The same roundings as the bf16 modules: logits within a few bf16 steps of theirs."""
     name, path, _ = saved_model
-    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(0, 256, (52,), generator=torch.Generator().manual_seed(2)).tolist()
     config = load_config(path)
     ran = _count_fused(monkeypatch)
-    fused = _kvray_logits(_model(path, torch.bfloat16), config, ids, [12, 12], dtype=torch.bfloat16)
+    fused = _kvray_logits(_model(path, torch.bfloat16), config, ids, [18, 18], dtype=torch.bfloat16)
     assert ran == [0, 0] + [1] * 16, name
     monkeypatch.setattr(native_decode, "for_model", lambda *a: None)
-    modules = _kvray_logits(_model(path, torch.bfloat16), config, ids, [12, 12], dtype=torch.bfloat16)
+    modules = _kvray_logits(_model(path, torch.bfloat16), config, ids, [18, 18], dtype=torch.bfloat16)
     assert ((fused - modules).abs().max() / modules.abs().max()).item() < 2e-2, name
     assert torch.equal(fused.argmax(-1), modules.argmax(-1)), name
+
+
+def test_fused_bf16_rows_do_not_depend_on_the_step_around_them(saved_model, monkeypatch):
+    """A position's logits are bitwise the same whether its step has one row or it is one
+    of a short query's rows (a decode verifying drafts): the bf16 kernels round each row
+    alike at any row count and split attention by position and head alone."""
+    name, path, _ = saved_model
+    ids = torch.randint(0, 256, (52,), generator=torch.Generator().manual_seed(3)).tolist()
+    config = load_config(path)
+    ran = _count_fused(monkeypatch)
+    single = _kvray_logits(_model(path, torch.bfloat16), config, ids, [18, 18], dtype=torch.bfloat16)
+    ran.clear()
+    short = _kvray_logits(_model(path, torch.bfloat16), config, ids, [18, 18, 5, 9, 2], dtype=torch.bfloat16)
+    assert ran == [0, 0, 5, 9, 2], name  # the short chunks ran fused, several rows a step
+    assert torch.equal(single, short), name
 
 
 @pytest.mark.parametrize(
@@ -139,16 +154,31 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path,
     assert_no_leaks(llm)
 
 
-def test_speculation_verified_by_the_fused_layers_gives_plain_decodings_tokens(smollm2_path, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param(
+            "bfloat16",
+            marks=pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 prompts emulated here: minutes"),
+        ),
+    ],
+)
+def test_speculation_verified_by_the_fused_layers_gives_plain_decodings_tokens(
+    smollm2_path, monkeypatch, dtype
+):
     """n-gram drafts verified in multi-row fused steps (each row attends causally to its
-    own position): the same greedy tokens as plain decoding, fp32."""
+    own position): the same greedy tokens as plain decoding, in bf16 too (the kernels
+    round a row alike at any row count). Every prompt is prefilled in the first step, so
+    the later steps are all decode steps in both runs."""
     from test_spec_engine import ARGS, NGRAM, PROMPTS
 
     monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    plain = LLM(model=str(smollm2_path), **ARGS)
+    args = {**ARGS, "dtype": dtype, "max_num_batched_tokens": 512}
+    plain = LLM(model=str(smollm2_path), **args)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
-    spec = LLM(model=str(smollm2_path), speculative_config=NGRAM, **ARGS)
+    spec = LLM(model=str(smollm2_path), speculative_config=NGRAM, **args)
     rows = _count_fused(monkeypatch)
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
     assert got == want
