@@ -9,9 +9,11 @@ at a time (batch 4):
 - open: open-ended chat, where the prompt has little to look up.
 
 Prints tok/s (output tokens over wall time), the speed-up, the drafts' acceptance rate,
-and whether the greedy tokens were identical (they must be).
+and whether the greedy tokens were identical (they must be). The two engines run a batch
+at a time in turn (ABBA), `--repeats` times over: a VM's speed drifts by 10-30 % over a
+minute, and a plain run followed by a speculative one measured the drift.
 
-    .venv/bin/python benchmarks/spec_decode.py [--k 4] [--max-tokens 160]
+    .venv/bin/python benchmarks/spec_decode.py [--k 8] [--lookup-min 2] [--max-tokens 160]
 """
 
 from __future__ import annotations
@@ -85,10 +87,28 @@ def run(llm, prompts: list[dict], params, batch: int) -> tuple[float, int, list[
     return time.perf_counter() - start, sum(map(len, tokens)), tokens
 
 
+def run_pair(plain, ngram, prompts: list[dict], params, batch: int, repeats: int) -> tuple[list, list]:
+    """`run` of both engines, interleaved a batch at a time (ABBA order) so that a VM's
+    drifting speed hits both alike: [seconds, tokens, tokens per prompt] for each."""
+    totals = [[0.0, 0, []], [0.0, 0, []]]
+    for r in range(repeats):
+        for i in range(0, len(prompts), batch):
+            order = (0, 1) if (r + i // batch) % 2 == 0 else (1, 0)
+            for which in order:
+                s, n, toks = run((plain, ngram)[which], prompts[i : i + batch], params, batch)
+                totals[which][0] += s
+                totals[which][1] += n
+                if r == 0:
+                    totals[which][2] += toks
+    return totals[0], totals[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each workload, interleaved")
     args = ap.parse_args()
 
     from kvray.engine import LLM, SamplingParams
@@ -97,7 +117,7 @@ def main() -> None:
         "method": "ngram",
         "num_speculative_tokens": args.k,
         "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2,
+        "prompt_lookup_min": args.lookup_min,
     }
     common = dict(max_model_len=1024, enable_prefix_caching=False)
     plain = LLM(**common)
@@ -118,10 +138,11 @@ def main() -> None:
     for name, texts in workloads.items():
         prompts = [chat_ids(plain.tokenizer, t) for t in texts]
         for batch in (1, 4):
-            base_s, base_n, base_tokens = run(plain, prompts, params, batch)
             stats = ngram.engine.spec_stats
             before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-            spec_s, spec_n, spec_tokens = run(ngram, prompts, params, batch)
+            (base_s, base_n, base_tokens), (spec_s, spec_n, spec_tokens) = run_pair(
+                plain, ngram, prompts, params, batch, args.repeats
+            )
             drafts = stats.num_drafts - before[0]
             proposed = stats.num_draft_tokens - before[1]
             kept = stats.num_accepted_tokens - before[2]

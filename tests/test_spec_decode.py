@@ -44,6 +44,15 @@ def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
     assert ngram().propose([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3], 2) == [4, 9]
 
 
+def test_ngram_drafts_two_tokens_per_matched_token():
+    """A short match proposes a short draft: 2 tokens per token of the matched suffix."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3]
+    assert ngram(k_max=4).propose(tokens, 16) == [4, 5, 6, 7, 8, 9]  # [1, 2, 3] matched: 6
+    assert ngram(k_max=4).propose(tokens, 5) == [4, 5, 6, 7, 8]  # k still bounds it
+    assert ngram(k_min=1).propose([5, 1, 2, 3, 4, 5], 8) == [1, 2]  # a unigram: 2
+    assert ngram(k_max=2).propose(tokens, 16) == [4, 5, 6, 7]  # at most 2 matched: 4
+
+
 def test_ngram_proposes_nothing_without_a_match_or_room():
     assert ngram().propose([1, 2, 3, 4, 5], 4) == []  # no repeated suffix
     assert ngram().propose([1, 2, 1, 2], 0) == []  # no room
