@@ -1,17 +1,18 @@
 """N-gram speculative decoding against plain decoding (issue 15's benchmark).
 
-Two workloads of chat prompts, greedy, each run once without and once with n-gram
-speculation on the same engine settings, one request at a time (single stream) and four
-at a time (batch 4):
+Two workloads of chat prompts, greedy, run without and with n-gram speculation on the
+same engine settings, one request at a time (single stream) and four at a time (batch 4):
 
 - grounded: the answer repeats spans of the prompt (copy a passage, extract from a
   text, edit a piece of code) — what prompt lookup is for;
 - open: open-ended chat, where the prompt has little to look up.
 
-Prints tok/s (output tokens over wall time), the speed-up, the drafts' acceptance rate,
-and whether the greedy tokens were identical (they must be). The two engines run a batch
-at a time in turn (ABBA), `--repeats` times over: a VM's speed drifts by 10-30 % over a
-minute, and a plain run followed by a speculative one measured the drift.
+Prints tok/s (output tokens over wall time, prefills included), decode tok/s (the tokens
+after each request's first over its time from first token to last: what speculation
+speeds up; a prefill is the same work in both engines), the speed-ups, the drafts'
+acceptance rate, and whether the greedy tokens were identical (they must be). The two
+engines run a batch at a time in turn (ABBA), `--repeats` times over: a VM's speed drifts
+by 10-30 % over a minute, and a plain run followed by a speculative one measured the drift.
 
     .venv/bin/python benchmarks/spec_decode.py [--k 8] [--lookup-min 2] [--max-tokens 160]
 """
@@ -79,27 +80,31 @@ def chat_ids(tokenizer, text: str) -> dict:
     return {"prompt_token_ids": tokenizer(prompt, add_special_tokens=False).input_ids}
 
 
-def run(llm, prompts: list[dict], params, batch: int) -> tuple[float, int, list[list[int]]]:
-    """(seconds, output tokens, tokens per prompt) running `batch` prompts at a time."""
-    tokens, start = [], time.perf_counter()
+def run(llm, prompts: list[dict], params, batch: int) -> tuple[float, int, list[list[int]], float]:
+    """(seconds, output tokens, tokens per prompt, decode seconds) running `batch` prompts
+    at a time; decode seconds sum each request's time from its first token to its last."""
+    tokens, decode, start = [], 0.0, time.perf_counter()
     for i in range(0, len(prompts), batch):
-        tokens += [o.outputs[0].token_ids for o in llm.generate(prompts[i : i + batch], params)]
-    return time.perf_counter() - start, sum(map(len, tokens)), tokens
+        outs = llm.generate(prompts[i : i + batch], params)
+        tokens += [o.outputs[0].token_ids for o in outs]
+        decode += sum(o.metrics.decode_time for o in outs)
+    return time.perf_counter() - start, sum(map(len, tokens)), tokens, decode
 
 
 def run_pair(plain, ngram, prompts: list[dict], params, batch: int, repeats: int) -> tuple[list, list]:
     """`run` of both engines, interleaved a batch at a time (ABBA order) so that a VM's
-    drifting speed hits both alike: [seconds, tokens, tokens per prompt] for each."""
-    totals = [[0.0, 0, []], [0.0, 0, []]]
+    drifting speed hits both alike: [seconds, tokens, tokens per prompt, decode seconds,
+    requests] for each."""
+    totals = [[0.0, 0, [], 0.0, 0], [0.0, 0, [], 0.0, 0]]
     for r in range(repeats):
         for i in range(0, len(prompts), batch):
             order = (0, 1) if (r + i // batch) % 2 == 0 else (1, 0)
             for which in order:
-                s, n, toks = run((plain, ngram)[which], prompts[i : i + batch], params, batch)
-                totals[which][0] += s
-                totals[which][1] += n
+                s, n, toks, decode = run((plain, ngram)[which], prompts[i : i + batch], params, batch)
+                t = totals[which]
+                t[0], t[1], t[3], t[4] = t[0] + s, t[1] + n, t[3] + decode, t[4] + len(toks)
                 if r == 0:
-                    totals[which][2] += toks
+                    t[2] += toks
     return totals[0], totals[1]
 
 
@@ -128,10 +133,10 @@ def main() -> None:
     print(f"model {plain.engine.config.model}, dtype {plain.engine.dtype}, n-gram k={args.k}, greedy")
     print()
     print(
-        "| workload | batch | plain tok/s | n-gram tok/s | speed-up | acceptance "
-        "| drafts kept per step | same tokens |"
+        "| workload | batch | plain tok/s | n-gram tok/s | speed-up | plain decode tok/s "
+        "| n-gram decode tok/s | decode speed-up | acceptance | drafts kept per step | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     warm = [chat_ids(plain.tokenizer, "Hello")]
     run(plain, warm, params, 1)
     run(ngram, warm, params, 1)
@@ -140,15 +145,17 @@ def main() -> None:
         for batch in (1, 4):
             stats = ngram.engine.spec_stats
             before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-            (base_s, base_n, base_tokens), (spec_s, spec_n, spec_tokens) = run_pair(
-                plain, ngram, prompts, params, batch, args.repeats
-            )
+            base, spec = run_pair(plain, ngram, prompts, params, batch, args.repeats)
+            (base_s, base_n, base_tokens, base_d, reqs), (spec_s, spec_n, spec_tokens, spec_d, _) = base, spec
+            # decode: tokens after each request's first over its time from first to last
+            base_dec, spec_dec = (base_n - reqs) / base_d, (spec_n - reqs) / spec_d
             drafts = stats.num_drafts - before[0]
             proposed = stats.num_draft_tokens - before[1]
             kept = stats.num_accepted_tokens - before[2]
             print(
                 f"| {name} | {batch} | {base_n / base_s:.1f} | {spec_n / spec_s:.1f} | "
-                f"{(spec_n / spec_s) / (base_n / base_s):.2f}x | {kept / max(proposed, 1):.0%} | "
+                f"{(spec_n / spec_s) / (base_n / base_s):.2f}x | {base_dec:.1f} | {spec_dec:.1f} | "
+                f"{spec_dec / base_dec:.2f}x | {kept / max(proposed, 1):.0%} | "
                 f"{kept / max(drafts, 1):.2f} | {spec_tokens == base_tokens} |",
                 flush=True,
             )

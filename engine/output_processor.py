@@ -155,5 +155,13 @@ class OutputProcessor:
 def _metrics(samples: list[Request]) -> RequestMetrics:
     """The user request's timings: its queue time ends when its first sample is scheduled."""
     scheduled = [s.first_scheduled_time for s in samples if s.first_scheduled_time is not None]
+    first = [s.first_token_time for s in samples if s.first_token_time is not None]
+    last = [s.last_token_time for s in samples if s.last_token_time is not None]
     step_seconds = sum(s.step_seconds for s in samples)
-    return RequestMetrics(samples[0].arrival_time, min(scheduled, default=None), step_seconds)
+    return RequestMetrics(
+        samples[0].arrival_time,
+        min(scheduled, default=None),
+        step_seconds,
+        first_token_time=min(first, default=None),
+        last_token_time=max(last, default=None),
+    )

@@ -39,6 +39,8 @@ class RequestMetrics:
     # the request's share of the engine's step time so far: each step's wall time split
     # evenly over the requests it ran (what a worker's price is charged by)
     step_seconds: float = 0.0
+    first_token_time: float | None = None  # the first output token of any of its samples
+    last_token_time: float | None = None  # the latest output token of any of its samples
 
     @property
     def time_in_queue(self) -> float | None:
@@ -46,6 +48,13 @@ class RequestMetrics:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """Seconds from the first output token to the latest (what TPOT is measured over)."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
 
 
 @dataclass

@@ -63,6 +63,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache at first schedule
     first_scheduled_time: float | None = None  # monotonic; its time in the queue ends here
+    first_token_time: float | None = None  # monotonic; when its first output token came
+    last_token_time: float | None = None  # monotonic; when its latest output token came
     step_seconds: float = 0.0  # its share of the steps that ran it (step time / batch size)
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -188,7 +188,7 @@ class Scheduler:
         engine's stop strings and grammar; it may finish the request). Drafts that were
         rejected are rolled back: their positions become uncomputed again, and blocks
         holding only such positions go back to the pool."""
-        advanced = []
+        advanced, now = [], time.monotonic()
         for i, req in enumerate(out.requests):
             tokens = sampled.get(req.request_id)
             drafts = out.draft_token_ids[i]
@@ -201,6 +201,9 @@ class Scheduler:
                 continue
             if req.group is not None and req.sample_index == 0:
                 req.group.prompt_done = True
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
             for j, token in enumerate(tokens):
                 req.append_token(token)
                 reason = self.stop_reason(req)

@@ -60,7 +60,7 @@ def test_first_schedule_ends_the_queue_time_and_a_preemption_keeps_it(monkeypatc
     a, b = _request("a", arrival=1.0), _request("b", arrival=2.0, first_token=50)
     sched.add_request(a)
     sched.add_request(b)
-    _clock(monkeypatch, 10.0, 20.0, 30.0)
+    _clock(monkeypatch, 10.0, 11.0, 20.0, 21.0, 30.0, 31.0)  # each step: schedule, update
     _step(sched)
     assert (a.first_scheduled_time, b.first_scheduled_time) == (10.0, None)
     sched.max_num_seqs = 2
@@ -69,6 +69,23 @@ def test_first_schedule_ends_the_queue_time_and_a_preemption_keeps_it(monkeypatc
     _step(sched)
     assert b.num_preemptions == 1 and b in sched.waiting
     assert (a.first_scheduled_time, b.first_scheduled_time) == (10.0, 20.0)
+
+
+def test_first_and_latest_token_times_bound_the_decode_time(monkeypatch, smollm2_tokenizer):
+    # t=10/11: A's prompt is scheduled, its first token comes; t=20/21 and 30/31: 2 more
+    sched = Scheduler(KVCacheManager(num_blocks=8, block_size=BS), 1, 64, 1024)
+    processor = OutputProcessor(smollm2_tokenizer)
+    a = _request("a#0", arrival=1.0)
+    processor.add("a", [a])
+    sched.add_request(a)
+    _clock(monkeypatch, 10.0, 11.0, 20.0, 21.0, 30.0, 31.0)
+    _step(sched)
+    assert (a.first_token_time, a.last_token_time) == (11.0, 11.0)
+    _step(sched)
+    _step(sched)
+    metrics = processor.output("a").metrics
+    assert (metrics.first_token_time, metrics.last_token_time, metrics.decode_time) == (11.0, 31.0, 20.0)
+    assert a.num_output_tokens == 3
 
 
 def test_outputs_carry_the_queue_time_of_the_first_scheduled_sample(smollm2_tokenizer):
