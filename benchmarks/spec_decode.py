@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass, field
 
 from serve_harness import cpu_banner
 
@@ -91,21 +92,30 @@ def run(llm, prompts: list[dict], params, batch: int) -> tuple[float, int, list[
     return time.perf_counter() - start, sum(map(len, tokens)), tokens, decode
 
 
-def run_pair(plain, ngram, prompts: list[dict], params, batch: int, repeats: int) -> tuple[list, list]:
+@dataclass
+class Totals:
+    """One engine's sums over a workload's runs."""
+
+    seconds: float = 0.0
+    tokens: int = 0  # output tokens
+    decode_seconds: float = 0.0  # each request's first token to its last
+    first_pass: list[list[int]] = field(default_factory=list)  # tokens per prompt, first repeat
+
+
+def run_pair(plain, ngram, prompts: list[dict], params, batch: int, repeats: int) -> tuple[Totals, Totals]:
     """`run` of both engines, interleaved a batch at a time (ABBA order) so that a VM's
-    drifting speed hits both alike: [seconds, tokens, tokens per prompt, decode seconds,
-    requests] for each."""
-    totals = [[0.0, 0, [], 0.0, 0], [0.0, 0, [], 0.0, 0]]
+    drifting speed hits both alike."""
+    totals = (Totals(), Totals())
     for r in range(repeats):
         for i in range(0, len(prompts), batch):
             order = (0, 1) if (r + i // batch) % 2 == 0 else (1, 0)
             for which in order:
                 s, n, toks, decode = run((plain, ngram)[which], prompts[i : i + batch], params, batch)
                 t = totals[which]
-                t[0], t[1], t[3], t[4] = t[0] + s, t[1] + n, t[3] + decode, t[4] + len(toks)
+                t.seconds, t.tokens, t.decode_seconds = t.seconds + s, t.tokens + n, t.decode_seconds + decode
                 if r == 0:
-                    t[2] += toks
-    return totals[0], totals[1]
+                    t.first_pass += toks
+    return totals
 
 
 def main() -> None:
@@ -146,17 +156,19 @@ def main() -> None:
             stats = ngram.engine.spec_stats
             before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
             base, spec = run_pair(plain, ngram, prompts, params, batch, args.repeats)
-            (base_s, base_n, base_tokens, base_d, reqs), (spec_s, spec_n, spec_tokens, spec_d, _) = base, spec
+            base_tps, spec_tps = base.tokens / base.seconds, spec.tokens / spec.seconds
             # decode: tokens after each request's first over its time from first to last
-            base_dec, spec_dec = (base_n - reqs) / base_d, (spec_n - reqs) / spec_d
+            later = len(prompts) * args.repeats
+            base_dec = (base.tokens - later) / base.decode_seconds
+            spec_dec = (spec.tokens - later) / spec.decode_seconds
             drafts = stats.num_drafts - before[0]
             proposed = stats.num_draft_tokens - before[1]
             kept = stats.num_accepted_tokens - before[2]
             print(
-                f"| {name} | {batch} | {base_n / base_s:.1f} | {spec_n / spec_s:.1f} | "
-                f"{(spec_n / spec_s) / (base_n / base_s):.2f}x | {base_dec:.1f} | {spec_dec:.1f} | "
+                f"| {name} | {batch} | {base_tps:.1f} | {spec_tps:.1f} | "
+                f"{spec_tps / base_tps:.2f}x | {base_dec:.1f} | {spec_dec:.1f} | "
                 f"{spec_dec / base_dec:.2f}x | {kept / max(proposed, 1):.0%} | "
-                f"{kept / max(drafts, 1):.2f} | {spec_tokens == base_tokens} |",
+                f"{kept / max(drafts, 1):.2f} | {spec.first_pass == base.first_pass} |",
                 flush=True,
             )
 
