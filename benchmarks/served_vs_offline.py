@@ -4,7 +4,8 @@ offline engine, in one run, plus any other OpenAI-compatible servers (llama.cpp,
 Load (kvray's reference mix, `kvray bench serve --dataset-name mix`): 32 requests, prompts
 32-384 tokens of English words, outputs 16-160 tokens, ignore_eos, greedy, streamed, 16
 concurrent clients. Offline: `LLM.generate` on the same prompts with 2 torch threads.
-Useful tok/s = the output tokens the requests asked for / wall time.
+Useful tok/s = the output tokens the requests asked for / wall time. Every engine first
+runs 4 other prompts of the mix (seed + 1), so no measured prompt finds its prefix cached.
 
     python benchmarks/served_vs_offline.py [--presets smollm2-cpu,smollm2-cpu-pd]
         [--baseline-src DIR]              # also serve the presets from another kvray tree
@@ -26,17 +27,20 @@ from serve_harness import Server, cpu_banner, run_load
 MODEL = "smollm2-135m-instruct"
 
 
-def offline(requests, threads: int) -> float:
+def offline(requests, warm_up, threads: int) -> float:
+    """Useful tok/s of `LLM.generate` on `requests`, after a run of `warm_up` (other prompts:
+    the measured ones must not find their prefixes cached, as the served runs do not)."""
     from kvray.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(model=MODEL, dtype="auto", max_model_len=2048)  # as the presets: bf16 where native
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in requests
-    ]
-    llm.generate([r.prompt for r in requests[:4]], params[:4])  # warm up
+
+    def params(rs):
+        return [SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in rs]
+
+    llm.generate([r.prompt for r in warm_up], params(warm_up))
     start = time.perf_counter()
-    llm.generate([r.prompt for r in requests], params)
+    llm.generate([r.prompt for r in requests], params(requests))
     return sum(r.expected_output_len for r in requests) / (time.perf_counter() - start)
 
 
@@ -49,8 +53,8 @@ def bench_args(args) -> list[str]:
 
 
 def served(url: str, model: str, args) -> dict:
-    warm = ["--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4"]
-    run_load(url, model, [*warm, "--num-prompts", "4", "--disable-tqdm"])
+    warm = ["--dataset-name", "mix", "--num-prompts", "4", "--seed", str(args.seed + 1), "--ignore-eos"]
+    run_load(url, model, [*warm, "--disable-tqdm"])  # the offline run's warm-up prompts
     return run_load(url, model, bench_args(args))
 
 
@@ -81,7 +85,8 @@ def main() -> None:
     vocab = WordVocab(load_tokenizer(resolve_model_path(MODEL)))
     requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=args.seed), vocab)
     results: dict[str, dict] = {}
-    base = args.offline_tok_s or offline(requests, args.threads)
+    warm_up = sample_requests("mix", DatasetArgs(num_prompts=4, seed=args.seed + 1), vocab)
+    base = args.offline_tok_s or offline(requests, warm_up, args.threads)
     print(f"offline ({args.threads} threads): {base:.1f} useful tok/s", flush=True)
     for preset in args.presets.split(","):
         for label, src in (("kvray", None), ("baseline", args.baseline_src)):
