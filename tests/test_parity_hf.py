@@ -126,18 +126,30 @@ def test_bf16_greedy_agrees_with_transformers_bf16(smollm2_path, smollm2_tokeniz
     """bf16 weights and KV on a CPU that multiplies bf16 (the native bf16 kernels: panels,
     decode attention, norms, RoPE) against transformers in bf16: the share of greedy tokens
     before each prompt's first divergence. Measured on a Zen 5 (AVX512-BF16): 161 of 161;
-    the pure-torch bf16 path: 137 (0.85)."""
+    the pure-torch bf16 path: 137 (0.85).
+
+    A divergence where kvray's token is itself the top logit of transformers' own forward
+    over the same prefix (without its KV cache) is a tie at bf16 resolution that
+    transformers' cached decode broke the other way, not a disagreement: such a prompt
+    counts in full. Seen on a Xeon with AMX: `def fibonacci(n):` at its 7th token, logits
+    29.25 (kvray's token; the top of the uncached forward) and 29.125, one bf16 step apart."""
     from transformers import AutoModelForCausalLM
 
     prompts = _prompts(smollm2_tokenizer)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
     expected = [hf_greedy(hf, p["prompt_token_ids"], m) for p, m in prompts]
     llm = LLM(model=str(smollm2_path), dtype="bfloat16", max_num_batched_tokens=256)
-    agreed = total = 0
-    for out, want in zip(_run(llm, prompts), expected):
+    agreed = total = ties = 0
+    for (prompt, _), out, want in zip(prompts, _run(llm, prompts), expected):
         got = out.outputs[0].token_ids
-        agreed += next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is not None:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt["prompt_token_ids"] + want[:first]])).logits[0, -1]
+            if logits[got[first]] == logits.max():
+                ties, first = ties + 1, None
+        agreed += min(len(got), len(want)) if first is None else first
         total += len(want)
-    print(f"bf16: {agreed}/{total} greedy tokens agree with transformers' bf16 before a divergence")
+    print(f"bf16: {agreed}/{total} greedy tokens agree before a divergence; {ties} ties")
     assert agreed / total >= 0.9
     assert_no_leaks(llm)
