@@ -70,7 +70,8 @@ class PrefillHandoff:
         )
 
     def release(self, request_id: str) -> bool:
-        """Unpin (the pull is done, or given up); False if absent or being read."""
+        """Unpin (the pull is done, or given up); False if absent or being read (a pin being
+        read goes at the engine's next `expire`, once the read ends)."""
         blocks = self.pins.pop(request_id)
         if blocks is None:
             return False

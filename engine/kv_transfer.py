@@ -221,12 +221,17 @@ class _Pin:
     num_tokens: int
     block_hashes: tuple[bytes, ...]
     readers: int = 0
+    released: bool = False  # let go while being read: goes when the last read ends
 
 
 @dataclass
 class PinTable:
     """Pinned blocks per request. Readers (a transfer in flight, any thread) hold a pin
-    against expiry; releasing blocks to the pool is left to the engine thread."""
+    against expiry and release; releasing blocks to the pool is left to the engine thread.
+
+    A release can overtake the read it confirms: a torch_dist pull's receiver has every
+    byte, and says so, before the sender's last send has returned. Such a pin is marked
+    released and `expired` lists it as soon as its last read ends."""
 
     pins: dict[str, _Pin] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -243,10 +248,10 @@ class PinTable:
             self.pins[request_id] = _Pin(list(blocks), deadline, num_tokens, block_hashes)
 
     def begin_read(self, request_id: str) -> list[int] | None:
-        """Blocks to read, or None when the pin is gone or its lease has ended."""
+        """Blocks to read, or None when the pin is gone, let go, or its lease has ended."""
         with self.lock:
             pin = self.pins.get(request_id)
-            if pin is None or time.time() > pin.deadline:
+            if pin is None or pin.released or time.time() > pin.deadline:
                 return None
             pin.readers += 1
             return list(pin.blocks)
@@ -258,16 +263,21 @@ class PinTable:
                 pin.readers -= 1
 
     def pop(self, request_id: str) -> list[int] | None:
-        """Remove a pin nobody is reading; returns its blocks (None: absent or being read)."""
+        """Remove a pin nobody is reading; returns its blocks. None: absent, or being read
+        (then it is marked released: `expired` lists it once the read ends)."""
         with self.lock:
             pin = self.pins.get(request_id)
-            if pin is None or pin.readers > 0:
+            if pin is None:
+                return None
+            if pin.readers > 0:
+                pin.released = True
                 return None
             return self.pins.pop(request_id).blocks
 
     def expired(self, now: float) -> list[str]:
+        """Pins to release now: nobody reads them, and their lease is over or they were let go."""
         with self.lock:
-            return [rid for rid, p in self.pins.items() if now > p.deadline and p.readers == 0]
+            return [rid for rid, p in self.pins.items() if not p.readers and (p.released or now > p.deadline)]
 
     def __len__(self) -> int:
         return len(self.pins)

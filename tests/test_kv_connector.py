@@ -37,3 +37,25 @@ def test_connector_decides_which_finished_requests_keep_their_blocks():
     assert ticket.block_ids == tuple(held_blocks) and ticket.num_tokens == 6
     assert len(ticket.block_hashes) == 1  # one full block of the 6 prompt tokens
     assert handoff.release("held") and kv.stats().used_blocks == 0
+
+
+def test_a_release_that_overtakes_its_read_frees_the_blocks_when_the_read_ends():
+    """A torch_dist pull's receiver confirms (release) before the sender's last send has
+    returned (the read still open): the release is not lost to the lease, the blocks go at
+    the engine's first `expire` after the read ends, long before the deadline."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    handoff = PrefillHandoff(kv, BS)
+    sched = Scheduler(kv, 8, 64, 1024, connector=handoff)
+    sched.add_request(make_request("held", 6, first_token=1, max_tokens=1))
+    handoff.expect("held", 30.0)
+    out = sched.schedule()
+    sched.update_from_output(out, {"held": [TOKEN]})
+    blocks = handoff.pins.begin_read("held")  # the pull's sender starts
+    assert len(blocks) == 2 and kv.stats().used_blocks == 2
+    assert not handoff.release("held")  # the receiver's confirmation, while the read is open
+    assert handoff.pins.begin_read("held") is None  # let go: no new read
+    handoff.expire(now=0.0)
+    assert kv.stats().used_blocks == 2  # still being read
+    handoff.pins.end_read("held")
+    handoff.expire(now=0.0)  # the deadline is 30 s away
+    assert kv.stats().used_blocks == 0 and len(handoff) == 0
