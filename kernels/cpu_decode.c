@@ -298,7 +298,7 @@ DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t 
     const int32_t per_item = num_spans_all < 2 * (int64_t)num_threads ? 1 : num_kv_heads;
     const int64_t num_items = num_spans_all * (num_kv_heads / per_item);
     DecodePlan plan = {(Item *)malloc(sizeof(Item) * num_items), (int32_t *)malloc(sizeof(int32_t) * (num_seqs + 1)),
-                       NULL, num_items, (int64_t)num_q_heads * (head_dim + 2), span, window};
+                       NULL, num_items, (int64_t)num_q_heads * (head_dim + 2), num_parts, span, window};
     int64_t k = 0, part = 0;
     /* the longest contexts come last from the caller (sorted ascending): schedule them first */
     for (int32_t s = num_seqs - 1; s >= 0; s--) {
@@ -338,58 +338,57 @@ void kvray_decode_scratch_free(DecodeScratch *scratch) {
     free(scratch->q_f32);
 }
 
-/* Inside a parallel region (every thread of the team calls it, with its own scratch):
- * the plan's items shared out, then the split sequences merged. */
-void kvray_decode_attend(const DecodePlan *plan, DecodeScratch *scratch, const void *q, int64_t q_stride, void *out,
-                         int64_t out_stride, const Cache *cache, const int32_t *block_tables, int64_t table_stride,
-                         const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs, int32_t num_q_heads,
-                         int quant) {
-    const int bf16_io = quant == BF16;
-    const int32_t head_dim = cache->head_dim, window = plan->window;
+/* Work item i of the plan: its span's attention, into `out` (a sequence not split) or
+ * into the item's part (`a->parts`). A pure function of q and the cache. */
+void kvray_decode_item(const DecodeArgs *a, DecodeScratch *scratch, int64_t i) {
+    const DecodePlan *plan = a->plan;
+    const Cache *cache = a->cache;
+    const int bf16_io = a->quant == BF16;
+    const int32_t head_dim = cache->head_dim, num_q_heads = a->num_q_heads;
     const int group = num_q_heads / cache->num_kv_heads;
-    const int64_t per_part = plan->per_part;
     float *scores = scratch->scores, *own = scratch->own, *q_f32 = scratch->q_f32;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < plan->num_items; i++) {
-        const Item *it = &plan->items[i];
-        const int32_t qh0 = it->head0 * group, qh1 = (it->head0 + it->heads) * group;
-        const float *qs = (const float *)q + rows[it->seq] * q_stride;
-        if (bf16_io) { /* the item's heads of the query, widened once */
-            const bf16 *qb = (const bf16 *)q + rows[it->seq] * q_stride;
-            for (int32_t x = qh0 * head_dim; x < qh1 * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
-            qs = q_f32;
-        }
-        float *base = it->part < 0 ? own : plan->parts + it->part * per_part;
-        float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
-        attend_item(cache, qs, block_tables + it->seq * table_stride, it, scores, acc, mx, sm, group, quant);
-        if (it->part < 0) {
-            for (int32_t qh = qh0; qh < qh1; qh++)
-                write_out(out, rows[it->seq] * out_stride + qh * head_dim, acc + qh * head_dim, 1.0f / sm[qh],
-                          head_dim, bf16_io);
-        }
+    const Item *it = &plan->items[i];
+    const int32_t qh0 = it->head0 * group, qh1 = (it->head0 + it->heads) * group;
+    const float *qs = (const float *)a->q + a->rows[it->seq] * a->q_stride;
+    if (bf16_io) { /* the item's heads of the query, widened once */
+        const bf16 *qb = (const bf16 *)a->q + a->rows[it->seq] * a->q_stride;
+        for (int32_t x = qh0 * head_dim; x < qh1 * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
+        qs = q_f32;
     }
-    /* merge the spans of each split sequence: weights exp(m_p - m) */
-#pragma omp for schedule(static)
-    for (int32_t s = 0; s < num_seqs; s++) {
-        if (plan->first_part[s] < 0) continue;
-        const int64_t pieces = num_spans(seq_lens[s], window, plan->span);
-        float *os = own; /* one head's merged sums */
-        for (int32_t qh = 0; qh < num_q_heads; qh++) {
-            float m = -INFINITY, total = 0.0f;
-            for (int64_t p = 0; p < pieces; p++) {
-                const float mp = plan->parts[(plan->first_part[s] + p) * per_part + qh];
-                m = mp > m ? mp : m;
-            }
-            for (int32_t x = 0; x < head_dim; x++) os[x] = 0.0f;
-            for (int64_t p = 0; p < pieces; p++) {
-                const float *base = plan->parts + (plan->first_part[s] + p) * per_part;
-                const float w = expf(base[qh] - m);
-                total += w * base[num_q_heads + qh];
-                const float *acc = base + 2 * num_q_heads + qh * head_dim;
-                for (int32_t x = 0; x < head_dim; x++) os[x] += w * acc[x];
-            }
-            write_out(out, rows[s] * out_stride + qh * head_dim, os, 1.0f / total, head_dim, bf16_io);
+    float *base = it->part < 0 ? own : a->parts + it->part * plan->per_part;
+    float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
+    attend_item(cache, qs, a->block_tables + it->seq * a->table_stride, it, scores, acc, mx, sm, group, a->quant);
+    if (it->part < 0) {
+        for (int32_t qh = qh0; qh < qh1; qh++)
+            write_out(a->out, a->rows[it->seq] * a->out_stride + qh * head_dim, acc + qh * head_dim, 1.0f / sm[qh],
+                      head_dim, bf16_io);
+    }
+}
+
+/* Sequence seq, once every item is done: its spans merged (weights exp(m_p - m)) into
+ * `out`, where it was split; nothing else. */
+void kvray_decode_merge(const DecodeArgs *a, DecodeScratch *scratch, int64_t seq) {
+    const DecodePlan *plan = a->plan;
+    if (plan->first_part[seq] < 0) return;
+    const int bf16_io = a->quant == BF16;
+    const int32_t head_dim = a->cache->head_dim, num_q_heads = a->num_q_heads;
+    const int64_t per_part = plan->per_part, pieces = num_spans(a->seq_lens[seq], plan->window, plan->span);
+    float *os = scratch->own; /* one head's merged sums */
+    for (int32_t qh = 0; qh < num_q_heads; qh++) {
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < pieces; p++) {
+            const float mp = a->parts[(plan->first_part[seq] + p) * per_part + qh];
+            m = mp > m ? mp : m;
         }
+        for (int32_t x = 0; x < head_dim; x++) os[x] = 0.0f;
+        for (int64_t p = 0; p < pieces; p++) {
+            const float *base = a->parts + (plan->first_part[seq] + p) * per_part;
+            const float w = expf(base[qh] - m);
+            total += w * base[num_q_heads + qh];
+            const float *acc = base + 2 * num_q_heads + qh * head_dim;
+            for (int32_t x = 0; x < head_dim; x++) os[x] += w * acc[x];
+        }
+        write_out(a->out, a->rows[seq] * a->out_stride + qh * head_dim, os, 1.0f / total, head_dim, bf16_io);
     }
 }
 
@@ -402,8 +401,12 @@ static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out
 #pragma omp parallel num_threads(num_threads)
     {
         DecodeScratch scratch = kvray_decode_scratch(num_q_heads, cache.head_dim, cache.block_size);
-        kvray_decode_attend(&plan, &scratch, q, q_stride, out, out_stride, &cache, block_tables, table_stride,
-                            seq_lens, rows, num_seqs, num_q_heads, quant);
+        const DecodeArgs args = {&plan,    plan.parts,   q,        q_stride, out,      out_stride, &cache,
+                                 block_tables, table_stride, seq_lens, rows,     num_seqs, num_q_heads, quant};
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < plan.num_items; i++) kvray_decode_item(&args, &scratch, i);
+#pragma omp for schedule(static)
+        for (int32_t seq = 0; seq < num_seqs; seq++) kvray_decode_merge(&args, &scratch, seq);
         kvray_decode_scratch_free(&scratch);
     }
     kvray_decode_plan_free(&plan);

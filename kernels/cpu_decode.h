@@ -1,6 +1,6 @@
 /* Decode attention's pieces (kernels/cpu_decode.c), for the fused decode layers
- * (kernels/cpu_layer.c): a plan of work items per step, scratch per thread, and the body
- * that a parallel region's threads run together. */
+ * (kernels/cpu_layer.c): a plan of work items per step, scratch per thread, and the items
+ * and merges that a parallel region's threads share out. */
 #ifndef KVRAY_CPU_DECODE_H
 #define KVRAY_CPU_DECODE_H
 #include <stdint.h>
@@ -27,7 +27,7 @@ typedef struct {
     Item *items;
     int32_t *first_part; /* per sequence: its first slot among the parts, or -1 (not split) */
     float *parts;        /* split sequences' partial results: [part][q_head] max, sum, then sums */
-    int64_t num_items, per_part;
+    int64_t num_items, per_part, num_parts;
     int32_t span, window;
 } DecodePlan;
 
@@ -40,8 +40,23 @@ DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t 
 void kvray_decode_plan_free(DecodePlan *plan);
 DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim, int32_t block_size);
 void kvray_decode_scratch_free(DecodeScratch *scratch);
-void kvray_decode_attend(const DecodePlan *plan, DecodeScratch *scratch, const void *q, int64_t q_stride, void *out,
-                         int64_t out_stride, const Cache *cache, const int32_t *block_tables, int64_t table_stride,
-                         const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs, int32_t num_q_heads,
-                         int quant);
+/* A step's decode attention: the plan's items (each a pure function of q and the cache),
+ * then, once all are done, the merge of each split sequence. */
+typedef struct {
+    const DecodePlan *plan;
+    float *parts; /* the split sequences' partial results: plan->parts, or a copy of that size */
+    const void *q;
+    int64_t q_stride;
+    void *out;
+    int64_t out_stride;
+    const Cache *cache;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int32_t *seq_lens;
+    const int64_t *rows;
+    int32_t num_seqs, num_q_heads;
+    int quant;
+} DecodeArgs;
+void kvray_decode_item(const DecodeArgs *a, DecodeScratch *scratch, int64_t i);
+void kvray_decode_merge(const DecodeArgs *a, DecodeScratch *scratch, int64_t seq);
 #endif

@@ -4,22 +4,29 @@
  * matmul panels, the per-layer work is small: at one sequence, SmolLM2's 30 layers run
  * ~15 torch ops and native calls each, and their Python and dispatch cost about as much as
  * the weights take to stream (BENCHMARKS.md, single stream). Here one parallel region runs
- * every layer, each phase shared out among the threads with a barrier after it:
+ * every layer, each phase's items shared out as cpu_share.h does (no thread barrier: a
+ * thread that another process took off its core holds up nobody, its items are done by the
+ * other), each phase writing a buffer of its own for this layer:
  *
- *   h = RMSNorm(x)                      rows
+ *   x_in = r + z of the layer before    rows (layer 0: the caller's x)
+ *   h = RMSNorm(x_in)
  *   qkv = h Wqkv^T (+ b)                panels (kernels/cpu_linear.c)
- *   RoPE on q and k; k, v -> the cache  rows
- *   attn = decode attention             work items (kernels/cpu_decode.c)
- *   x += attn Wo^T (+ b)                panels, added into the residual stream
- *   h = RMSNorm(x)                      rows
- *   gu = h Wgu^T (+ b)                  panels
+ *   qk = RoPE(q, k); k, v -> the cache  rows
+ *   attn = decode attention             work items, then merges (kernels/cpu_decode.c)
+ *   y = attn Wo^T (+ b)                 panels
+ *   r = x_in + y, h2 = RMSNorm(r)       rows
+ *   gu = h2 Wgu^T (+ b)                 panels
  *   a = silu(g) * u                     rows
- *   x += a Wdown^T (+ b)                panels
+ *   z = a Wdown^T (+ b)                 panels
+ *
+ * and at the end x = r + z of the last layer. The buffers cost ~20 KB per row and layer in
+ * bf16 (SmolLM2: 10 MB at 16 rows), written once a step.
  *
  * The math and the roundings are the layers' own (kernels/cpu_ops.c, the panels): in bf16
  * each op's result is rounded to bf16 as the torch layers round it. SiLU uses the kernels'
- * own exp (cpu_vec.h), within an ulp of torch's (fp32 logits agree to ~1e-6). x [T, hidden] is the
- * residual stream, updated in place; the caller applies the final norm and the LM head.
+ * own exp (cpu_vec.h), within an ulp of torch's (fp32 logits agree to ~1e-6); a residual
+ * add rounds the sum as the bf16 modules' add does. x [T, hidden] is
+ * the residual stream, in and out; the caller applies the final norm and the LM head.
  * Built with the other kernels by kernels/cpu_native.py.
  */
 #include <math.h>
@@ -28,6 +35,7 @@
 #include <string.h>
 
 #include "cpu_decode.h"
+#include "cpu_share.h"
 #include "cpu_vec.h"
 
 typedef struct { /* one layer's tensors (the model's dtype), as cpu_native.DecodeLayer lays them out */
@@ -46,75 +54,157 @@ typedef struct {
 /* from kernels/cpu_ops.c and kernels/cpu_linear.c */
 void kvray_rms_row_f32(const float *, const float *, float *, float *, const float *, int64_t, float);
 void kvray_rms_row_bf16(const bf16 *, const bf16 *, bf16 *, bf16 *, const bf16 *, int64_t, float);
-void kvray_rotary_row_f32(float *, int64_t, int64_t, const float *, const float *);
-void kvray_rotary_row_bf16(bf16 *, int64_t, int64_t, const float *, const float *);
-void kvray_linear_body_f32(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t,
-                           int64_t, int);
-void kvray_linear_body_bf16(const bf16 *, int64_t, const bf16 *, const bf16 *, bf16 *, int64_t, int64_t, int64_t,
-                            int64_t, int);
+void kvray_rotary_row_f32(const float *, float *, int64_t, int64_t, const float *, const float *);
+void kvray_rotary_row_bf16(const bf16 *, bf16 *, int64_t, int64_t, const float *, const float *);
+void kvray_linear_panel_f32(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t,
+                            int64_t, int64_t);
+void kvray_linear_panel_bf16(const bf16 *, int64_t, const bf16 *, const bf16 *, bf16 *, int64_t, int64_t, int64_t,
+                             int64_t, int64_t);
+int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
 
-/* out = x W^T (+ b), or out += that: x [m, k], out [m, n], both unit-stride rows */
-static void linear(int bf16_io, const void *x, const void *w, const void *b, void *out, int64_t m, int64_t n,
-                   int64_t k, int accumulate) {
-    if (bf16_io)
-        kvray_linear_body_bf16((const bf16 *)x, k, (const bf16 *)w, (const bf16 *)b, (bf16 *)out, n, m, n, k,
-                               accumulate);
+int64_t kvray_share_redo_ns = 50000;
+
+/* how long a wait for a phase's items lasts before the waiter computes them (cpu_share.h);
+ * returns the value before */
+int64_t kvray_set_share_redo_ns(int64_t ns) {
+    const int64_t before = kvray_share_redo_ns;
+    kvray_share_redo_ns = ns;
+    return before;
+}
+
+enum { PHASES = 10 }; /* per layer (decode attention's items and merge two of them); one more at the end */
+
+/* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a panel */
+typedef struct {
+    int bf16_io;
+    const void *x, *w, *b;
+    void *out;
+    int64_t m, n, k;
+} LinearPhase;
+
+static void linear_item(const void *phase, void *scratch, int64_t p) {
+    const LinearPhase *c = phase;
+    (void)scratch;
+    if (c->bf16_io)
+        kvray_linear_panel_bf16(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, p);
     else
-        kvray_linear_body_f32((const float *)x, k, (const float *)w, (const float *)b, (float *)out, n, m, n, k,
-                              accumulate);
+        kvray_linear_panel_f32(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, p);
 }
 
-static void rms_rows(int bf16_io, const void *x, void *out, const void *weight, int64_t rows, int64_t dim,
-                     float eps) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        if (bf16_io)
-            kvray_rms_row_bf16((const bf16 *)x + r * dim, 0, 0, (bf16 *)out + r * dim, (const bf16 *)weight, dim, eps);
-        else
-            kvray_rms_row_f32((const float *)x + r * dim, 0, 0, (float *)out + r * dim, (const float *)weight, dim,
-                              eps);
+/* sum = src + res (where res is given), out = RMSNorm(that) * weight; an item is a row */
+typedef struct {
+    int bf16_io;
+    const void *src, *res;
+    void *sum, *out;
+    const void *weight;
+    int64_t dim;
+    float eps;
+} NormPhase;
+
+static void norm_item(const void *phase, void *scratch, int64_t r) {
+    const NormPhase *c = phase;
+    const int64_t at = r * c->dim;
+    (void)scratch;
+    if (c->bf16_io)
+        kvray_rms_row_bf16((const bf16 *)c->src + at, c->res ? (const bf16 *)c->res + at : 0,
+                           c->res ? (bf16 *)c->sum + at : 0, (bf16 *)c->out + at, c->weight, c->dim, c->eps);
+    else
+        kvray_rms_row_f32((const float *)c->src + at, c->res ? (const float *)c->res + at : 0,
+                          c->res ? (float *)c->sum + at : 0, (float *)c->out + at, c->weight, c->dim, c->eps);
+}
+
+/* out = a + b, rounded as the norm's residual add rounds it; an item is a row */
+typedef struct {
+    int bf16_io;
+    const void *a, *b;
+    void *out;
+    int64_t dim;
+} AddPhase;
+
+static void add_item(const void *phase, void *scratch, int64_t r) {
+    const AddPhase *c = phase;
+    const int64_t at = r * c->dim;
+    (void)scratch;
+    int64_t i = 0;
+    if (c->bf16_io) {
+        const bf16 *a = (const bf16 *)c->a + at, *b = (const bf16 *)c->b + at;
+        bf16 *out = (bf16 *)c->out + at;
+        for (; i + 8 <= c->dim; i += 8) store8_bf16(out + i, load8_bf16(a + i) + load8_bf16(b + i));
+        for (; i < c->dim; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+    } else {
+        const float *a = (const float *)c->a + at, *b = (const float *)c->b + at;
+        float *out = (float *)c->out + at;
+        for (; i < c->dim; i++) out[i] = a[i] + b[i];
     }
 }
 
-/* RoPE on each row's q and k heads, then its k and v into the cache at the row's slot */
-static void rope_and_store(int bf16_io, void *qkv, const DecodeShape *sh, const DecodeLayer *l, int64_t rows,
-                           const float *cos, const float *sin, const int64_t *slots) {
+/* qk = RoPE(the q and k heads of a qkv row); its k and the row's v into the cache at the
+ * row's slot; an item is a row */
+typedef struct {
+    int bf16_io;
+    const void *qkv;
+    void *qk;
+    const DecodeShape *sh;
+    const DecodeLayer *l;
+    const float *cos, *sin;
+    const int64_t *slots;
+} RopePhase;
+
+static void rope_item(const void *phase, void *scratch, int64_t r) {
+    const RopePhase *c = phase;
+    const DecodeShape *sh = c->sh;
+    (void)scratch;
     const int64_t d = sh->head_dim, half = d / 2, q_width = sh->num_q_heads * d, kv_width = sh->num_kv_heads * d;
-    const int64_t width = q_width + 2 * kv_width, size = bf16_io ? 2 : 4;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        char *row = (char *)qkv + r * width * size;
-        if (bf16_io)
-            kvray_rotary_row_bf16((bf16 *)row, sh->num_q_heads + sh->num_kv_heads, d, cos + r * half, sin + r * half);
-        else
-            kvray_rotary_row_f32((float *)row, sh->num_q_heads + sh->num_kv_heads, d, cos + r * half, sin + r * half);
-        memcpy((char *)l->k_cache + slots[r] * kv_width * size, row + q_width * size, kv_width * size);
-        memcpy((char *)l->v_cache + slots[r] * kv_width * size, row + (q_width + kv_width) * size, kv_width * size);
+    const int64_t size = c->bf16_io ? 2 : 4, heads = sh->num_q_heads + sh->num_kv_heads;
+    const char *row = (const char *)c->qkv + r * (q_width + 2 * kv_width) * size;
+    char *qk = (char *)c->qk + r * (q_width + kv_width) * size;
+    if (c->bf16_io)
+        kvray_rotary_row_bf16((const bf16 *)row, (bf16 *)qk, heads, d, c->cos + r * half, c->sin + r * half);
+    else
+        kvray_rotary_row_f32((const float *)row, (float *)qk, heads, d, c->cos + r * half, c->sin + r * half);
+    memcpy((char *)c->l->k_cache + c->slots[r] * kv_width * size, qk + q_width * size, kv_width * size);
+    memcpy((char *)c->l->v_cache + c->slots[r] * kv_width * size, row + (q_width + kv_width) * size, kv_width * size);
+}
+
+/* a = silu(g) * u for gu = [g | u] rows; in bf16 silu(g) is rounded before the product, as
+ * torch does; an item is a row */
+typedef struct {
+    int bf16_io;
+    const void *gu;
+    void *act;
+    int64_t inter;
+} SiluPhase;
+
+static void silu_item(const void *phase, void *scratch, int64_t r) {
+    const SiluPhase *c = phase;
+    const int64_t inter = c->inter;
+    (void)scratch;
+    int64_t i = 0;
+    if (c->bf16_io) {
+        const bf16 *g = (const bf16 *)c->gu + r * 2 * inter, *u = g + inter;
+        bf16 *out = (bf16 *)c->act + r * inter;
+        for (; i + 8 <= inter; i += 8) store8_bf16(out + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
+        for (; i < inter; i++) {
+            const float gv = bf16_to_f32(g[i]);
+            out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv)))) * bf16_to_f32(u[i]));
+        }
+    } else {
+        const float *g = (const float *)c->gu + r * 2 * inter, *u = g + inter;
+        float *out = (float *)c->act + r * inter;
+        for (; i + 8 <= inter; i += 8) store8(out + i, silu8(load8(g + i)) * load8(u + i));
+        for (; i < inter; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
-/* a = silu(g) * u for gu = [g | u] rows; in bf16 silu(g) is rounded before the product, as torch does */
-static void silu_mul(int bf16_io, const void *gu, void *a, int64_t rows, int64_t inter) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t i = 0;
-        if (bf16_io) {
-            const bf16 *g = (const bf16 *)gu + r * 2 * inter, *u = g + inter;
-            bf16 *out = (bf16 *)a + r * inter;
-            for (; i + 8 <= inter; i += 8)
-                store8_bf16(out + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
-            for (; i < inter; i++) {
-                const float gv = bf16_to_f32(g[i]);
-                out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv)))) * bf16_to_f32(u[i]));
-            }
-        } else {
-            const float *g = (const float *)gu + r * 2 * inter, *u = g + inter;
-            float *out = (float *)a + r * inter;
-            for (; i + 8 <= inter; i += 8) store8(out + i, silu8(load8(g + i)) * load8(u + i));
-            for (; i < inter; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
-    }
-}
+static void attend_item(const void *phase, void *scratch, int64_t i) { kvray_decode_item(phase, scratch, i); }
+static void merge_item(const void *phase, void *scratch, int64_t seq) { kvray_decode_merge(phase, scratch, seq); }
+
+/* A layer's buffers for one step: every phase writes its own (cpu_share.h) */
+typedef struct {
+    void *x_in; /* the residual stream into the layer (layer 0: the caller's x) */
+    void *h, *qkv, *qk, *attn, *y, *r, *h2, *gu, *act, *z;
+    float *parts;
+} LayerBuffers;
 
 static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *sh, void *x, int64_t rows,
                           const float *cos, const float *sin, const int64_t *slots, const int32_t *block_tables,
@@ -122,8 +212,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                           int32_t num_threads, int bf16_io) {
     const int64_t size = bf16_io ? 2 : 4, d = sh->head_dim, hidden = sh->hidden, inter = sh->intermediate;
     const int64_t q_width = sh->num_q_heads * d, kv_width = sh->num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
-    char *h = malloc(rows * hidden * size), *qkv = malloc(rows * qkv_width * size);
-    char *attn = malloc(rows * q_width * size), *gu = malloc(rows * 2 * inter * size), *act = malloc(rows * inter * size);
+    const int64_t qk_width = q_width + kv_width;
     /* the attention's work items depend on the window only: a plan per distinct window */
     DecodePlan *plans = malloc(sizeof(DecodePlan) * num_layers);
     int32_t *plan_of = malloc(sizeof(int32_t) * num_layers), num_plans = 0;
@@ -137,35 +226,96 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             plan_of[i] = num_plans++;
         }
     }
+    /* per layer: the buffers, the attention's partial results, each phase's done flags */
+    const int64_t widths[] = {hidden, hidden, qkv_width, qk_width, q_width, hidden, hidden, hidden, 2 * inter, inter,
+                              hidden};
+    int64_t per_layer = 0, parts_total = 0, flags_total = rows;
+    for (size_t j = 0; j < sizeof widths / sizeof widths[0]; j++) per_layer += widths[j] * rows * size;
+    const int64_t panels_qkv = kvray_linear_num_panels(qkv_width, bf16_io);
+    const int64_t panels_hidden = kvray_linear_num_panels(hidden, bf16_io);
+    const int64_t panels_gu = kvray_linear_num_panels(2 * inter, bf16_io);
+    for (int32_t i = 0; i < num_layers; i++) {
+        const DecodePlan *plan = &plans[plan_of[i]];
+        parts_total += plan->num_parts * plan->per_part;
+        flags_total += 5 * rows + panels_qkv + 2 * panels_hidden + panels_gu + plan->num_items + num_seqs;
+    }
+    char *arena = malloc(per_layer * num_layers);
+    float *parts = malloc(sizeof(float) * (parts_total > 0 ? parts_total : 1));
+    uint8_t *flags = calloc(flags_total, 1);
+    LayerBuffers *bufs = malloc(sizeof(LayerBuffers) * num_layers);
+    Share *shares = aligned_alloc(64, sizeof(Share) * (PHASES * num_layers + 1)); /* a Share is a cache line */
+    memset(shares, 0, sizeof(Share) * (PHASES * num_layers + 1));
+    char *at = arena;
+    float *part_at = parts;
+    uint8_t *flag_at = flags;
+    for (int32_t i = 0; i < num_layers; i++) {
+        void **slot[] = {&bufs[i].x_in, &bufs[i].h,  &bufs[i].qkv, &bufs[i].qk,  &bufs[i].attn, &bufs[i].y,
+                         &bufs[i].r,    &bufs[i].h2, &bufs[i].gu,  &bufs[i].act, &bufs[i].z};
+        for (size_t j = 0; j < sizeof widths / sizeof widths[0]; j++) {
+            *slot[j] = at;
+            at += widths[j] * rows * size;
+        }
+        if (i == 0) bufs[i].x_in = x;
+        const DecodePlan *plan = &plans[plan_of[i]];
+        bufs[i].parts = part_at;
+        part_at += plan->num_parts * plan->per_part;
+        const int64_t items[PHASES] = {rows,           panels_qkv, rows,      plan->num_items, num_seqs,
+                                       panels_hidden, rows,       panels_gu, rows,            panels_hidden};
+        for (int j = 0; j < PHASES; j++) {
+            shares[PHASES * i + j].flags = flag_at;
+            flag_at += items[j];
+        }
+    }
+    shares[PHASES * num_layers].flags = flag_at;
     const int64_t row = d * size, token = sh->num_kv_heads * row;
 #pragma omp parallel num_threads(num_threads)
     {
         DecodeScratch scratch = kvray_decode_scratch(sh->num_q_heads, sh->head_dim, sh->block_size);
         for (int32_t i = 0; i < num_layers; i++) {
             const DecodeLayer *l = &layers[i];
+            const LayerBuffers *b = &bufs[i];
+            Share *s = shares + PHASES * i;
+            const DecodePlan *plan = &plans[plan_of[i]];
             const Cache cache = {(const char *)l->k_cache, (const char *)l->v_cache, token, sh->block_size * token, row,
                                  sh->num_kv_heads, sh->head_dim, sh->block_size, sh->scale};
-            rms_rows(bf16_io, x, h, l->input_norm, rows, hidden, sh->eps);
-            linear(bf16_io, h, l->qkv, l->qkv_bias, qkv, rows, qkv_width, hidden, 0);
-            rope_and_store(bf16_io, qkv, sh, l, rows, cos, sin, slots);
-            kvray_decode_attend(&plans[plan_of[i]], &scratch, qkv, qkv_width, attn, q_width, &cache, block_tables,
-                                table_stride, seq_lens, q_rows, num_seqs, sh->num_q_heads, bf16_io ? BF16 : F32);
-            linear(bf16_io, attn, l->o, l->o_bias, x, rows, hidden, q_width, 1);
-            rms_rows(bf16_io, x, h, l->post_norm, rows, hidden, sh->eps);
-            linear(bf16_io, h, l->gate_up, l->gate_up_bias, gu, rows, 2 * inter, hidden, 0);
-            silu_mul(bf16_io, gu, act, rows, inter);
-            linear(bf16_io, act, l->down, l->down_bias, x, rows, hidden, inter, 1);
+            /* h = RMSNorm(x_in), x_in = the last layer's r + z */
+            const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
+                                       l->input_norm, hidden, sh->eps};
+            share_run(&s[0], rows, norm_item, &norm_in, &scratch);
+            const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden};
+            share_run(&s[1], panels_qkv, linear_item, &qkv, &scratch);
+            const RopePhase rope = {bf16_io, b->qkv, b->qk, sh, l, cos, sin, slots};
+            share_run(&s[2], rows, rope_item, &rope, &scratch);
+            const DecodeArgs attend = {plan,   b->parts,     b->qk,    qk_width, b->attn,  q_width,
+                                       &cache, block_tables, table_stride, seq_lens, q_rows, num_seqs,
+                                       sh->num_q_heads, bf16_io ? BF16 : F32};
+            share_run(&s[3], plan->num_items, attend_item, &attend, &scratch);
+            share_run(&s[4], num_seqs, merge_item, &attend, &scratch);
+            const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width};
+            share_run(&s[5], panels_hidden, linear_item, &o, &scratch);
+            /* r = x_in + y, h2 = RMSNorm(r) */
+            const NormPhase norm_post = {bf16_io, b->x_in, b->y, b->r, b->h2, l->post_norm, hidden, sh->eps};
+            share_run(&s[6], rows, norm_item, &norm_post, &scratch);
+            const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu, rows, 2 * inter, hidden};
+            share_run(&s[7], panels_gu, linear_item, &gate_up, &scratch);
+            const SiluPhase silu = {bf16_io, b->gu, b->act, inter};
+            share_run(&s[8], rows, silu_item, &silu, &scratch);
+            const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter};
+            share_run(&s[9], panels_hidden, linear_item, &down, &scratch);
         }
+        /* x = the last layer's r + z */
+        const AddPhase out = {bf16_io, bufs[num_layers - 1].r, bufs[num_layers - 1].z, x, hidden};
+        share_run(&shares[PHASES * num_layers], rows, add_item, &out, &scratch);
         kvray_decode_scratch_free(&scratch);
     }
+    free(shares);
+    free(bufs);
+    free(flags);
+    free(parts);
+    free(arena);
     for (int32_t j = 0; j < num_plans; j++) kvray_decode_plan_free(&plans[j]);
     free(plans);
     free(plan_of);
-    free(h);
-    free(qkv);
-    free(attn);
-    free(gu);
-    free(act);
 }
 
 /* x [rows, hidden]: the residual stream into the first layer, out of the last; cos, sin

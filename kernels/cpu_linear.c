@@ -27,8 +27,7 @@
 
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, const float *panel,
                                                        int64_t k, float *out, int64_t out_stride,
-                                                       const float *bias, int cols, int accumulate,
-                                                       const int rows) {
+                                                       const float *bias, int cols, const int rows) {
     v8 acc[MAX_ROWS][2];
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = (v8){0};
     for (int64_t kk = 0; kk < k; kk++) {
@@ -46,47 +45,51 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         float *o = out + i * out_stride;
         if (cols == PANEL) {
             const v8 lo = acc[i][0] + b_lo, hi = acc[i][1] + b_hi;
-            store8(o, accumulate ? load8(o) + lo : lo);
-            store8(o + 8, accumulate ? load8(o + 8) + hi : hi);
+            store8(o, lo);
+            store8(o + 8, hi);
         } else {
             for (int c = 0; c < cols; c++) {
-                const float v = (c < 8 ? acc[i][0][c] : acc[i][1][c - 8]) + (bias ? bias[c] : 0.0f);
-                o[c] = accumulate ? o[c] + v : v;
+                o[c] = (c < 8 ? acc[i][0][c] : acc[i][1][c - 8]) + (bias ? bias[c] : 0.0f);
             }
         }
     }
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int, int);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int);
 
 #define TILE(ROWS)                                                                                           \
     static void tile_##ROWS(const float *x, int64_t xs, const float *panel, int64_t k, float *out, int64_t os, \
-                            const float *bias, int cols, int accumulate) {                                  \
-        tile(x, xs, panel, k, out, os, bias, cols, accumulate, ROWS);                                        \
+                            const float *bias, int cols) {                                                  \
+        tile(x, xs, panel, k, out, os, bias, cols, ROWS);                                                    \
     }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn TILES[MAX_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
-/* Inside a parallel region: the panels shared out among the team; `accumulate`: out += ... */
-void kvray_linear_body_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
-                           int64_t out_stride, int64_t m, int64_t n, int64_t k, int accumulate) {
+/* Panel p of out = x W^T (+ b), for all m rows */
+void kvray_linear_panel_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
+                            int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p) {
+    const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+    const float *b = bias ? bias + p * PANEL : 0;
+    for (int64_t r = 0; r < m; r += MAX_ROWS) {
+        const int rows = m - r < MAX_ROWS ? (int)(m - r) : MAX_ROWS;
+        TILES[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL, k, out + r * out_stride + p * PANEL,
+                    out_stride, b, cols);
+    }
+}
+
+/* Inside a parallel region: the panels shared out among the team */
+static void linear_body_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
+                            int64_t out_stride, int64_t m, int64_t n, int64_t k) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
-        const float *b = bias ? bias + p * PANEL : 0;
-        for (int64_t r = 0; r < m; r += MAX_ROWS) {
-            const int rows = m - r < MAX_ROWS ? (int)(m - r) : MAX_ROWS;
-            TILES[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL, k, out + r * out_stride + p * PANEL,
-                        out_stride, b, cols, accumulate);
-        }
-    }
+    for (int64_t p = 0; p < panels; p++)
+        kvray_linear_panel_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
 }
 
 void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    kvray_linear_body_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k, 0);
+    linear_body_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k);
 }
 
 /* The same in bf16: x, the weight, the bias and out in bf16, the sums in fp32.
@@ -108,10 +111,9 @@ void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, c
 #define PANEL_BF16 32
 #define MAX_ROWS_BF16 8
 
-/* out[i][c] = sums[i][c] + bias[c], rounded, for the tile's rows and the panel's columns;
- * `accumulate`: out[i][c] + that, rounded again (a bf16 model's residual add) */
+/* out[i][c] = sums[i][c] + bias[c], rounded, for the tile's rows and the panel's columns */
 static inline void store_tile_bf16(const float *sums, int rows, int cols, const bf16 *bias, bf16 *out,
-                                   int64_t out_stride, int accumulate) {
+                                   int64_t out_stride) {
     for (int i = 0; i < rows; i++) {
         const float *s = sums + i * PANEL_BF16;
         bf16 *o = out + i * out_stride;
@@ -119,13 +121,10 @@ static inline void store_tile_bf16(const float *sums, int rows, int cols, const 
             for (int c = 0; c < PANEL_BF16; c += 8) {
                 v8 v = load8(s + c);
                 if (bias) v += load8_bf16(bias + c);
-                store8_bf16(o + c, accumulate ? load8_bf16(o + c) + round8_bf16(v) : v);
+                store8_bf16(o + c, v);
             }
         } else {
-            for (int c = 0; c < cols; c++) {
-                const float v = bf16_to_f32(f32_to_bf16(s[c] + (bias ? bf16_to_f32(bias[c]) : 0.0f)));
-                o[c] = f32_to_bf16(accumulate ? bf16_to_f32(o[c]) + v : v);
-            }
+            for (int c = 0; c < cols; c++) o[c] = f32_to_bf16(s[c] + (bias ? bf16_to_f32(bias[c]) : 0.0f));
         }
     }
 }
@@ -135,8 +134,7 @@ static inline void store_tile_bf16(const float *sums, int rows, int cols, const 
 
 static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64_t x_stride, const bf16 *panel,
                                                             int64_t pairs, bf16 *out, int64_t out_stride,
-                                                            const bf16 *bias, int cols, int accumulate,
-                                                            const int rows) {
+                                                            const bf16 *bias, int cols, const int rows) {
     /* one fp32 sum per output, over k in order, whatever the tile's rows: a row's result
      * does not depend on how many rows the step has (a decode step's token and the same
      * token among a verification's drafts round alike) */
@@ -158,13 +156,12 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
         _mm512_storeu_ps(sums + i * PANEL_BF16, acc[i][0]);
         _mm512_storeu_ps(sums + i * PANEL_BF16 + 16, acc[i][1]);
     }
-    store_tile_bf16(sums, rows, cols, bias, out, out_stride, accumulate);
+    store_tile_bf16(sums, rows, cols, bias, out, out_stride);
 }
 #else
 static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64_t x_stride, const bf16 *panel,
                                                             int64_t pairs, bf16 *out, int64_t out_stride,
-                                                            const bf16 *bias, int cols, int accumulate,
-                                                            const int rows) {
+                                                            const bf16 *bias, int cols, const int rows) {
     float sums[MAX_ROWS_BF16 * PANEL_BF16] = {0};
     for (int64_t j = 0; j < pairs; j++) {
         const bf16 *w = panel + j * 2 * PANEL_BF16;
@@ -174,42 +171,55 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
                 sums[i * PANEL_BF16 + c] += x0 * bf16_to_f32(w[2 * c]) + x1 * bf16_to_f32(w[2 * c + 1]);
         }
     }
-    store_tile_bf16(sums, rows, cols, bias, out, out_stride, accumulate);
+    store_tile_bf16(sums, rows, cols, bias, out, out_stride);
 }
 #endif
 
-typedef void (*tile_bf16_fn)(const bf16 *, int64_t, const bf16 *, int64_t, bf16 *, int64_t, const bf16 *, int,
-                             int);
+typedef void (*tile_bf16_fn)(const bf16 *, int64_t, const bf16 *, int64_t, bf16 *, int64_t, const bf16 *, int);
 
 #define TILE_BF16(ROWS)                                                                                   \
     static void tile_bf16_##ROWS(const bf16 *x, int64_t xs, const bf16 *panel, int64_t pairs, bf16 *out,   \
-                                 int64_t os, const bf16 *bias, int cols, int accumulate) {                 \
-        tile_bf16(x, xs, panel, pairs, out, os, bias, cols, accumulate, ROWS);                             \
+                                 int64_t os, const bf16 *bias, int cols) {                                 \
+        tile_bf16(x, xs, panel, pairs, out, os, bias, cols, ROWS);                                         \
     }
 TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6) TILE_BF16(7) TILE_BF16(8)
 static const tile_bf16_fn TILES_BF16[MAX_ROWS_BF16 + 1] = {0,           tile_bf16_1, tile_bf16_2,
                                                            tile_bf16_3, tile_bf16_4, tile_bf16_5,
                                                            tile_bf16_6, tile_bf16_7, tile_bf16_8};
 
-void kvray_linear_body_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
-                            int64_t out_stride, int64_t m, int64_t n, int64_t k, int accumulate) {
-    const int64_t panels = (n + PANEL_BF16 - 1) / PANEL_BF16, pairs = k / 2;
-    /* rows shared evenly among the fewest tiles (9 rows: 5 + 4, not 8 + 1) */
-    const int64_t tiles = (m + MAX_ROWS_BF16 - 1) / MAX_ROWS_BF16, per_tile = (m + tiles - 1) / tiles;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int cols = n - p * PANEL_BF16 < PANEL_BF16 ? (int)(n - p * PANEL_BF16) : PANEL_BF16;
-        const bf16 *b = bias ? bias + p * PANEL_BF16 : 0;
-        for (int64_t r = 0; r < m; r += per_tile) {
-            const int rows = m - r < per_tile ? (int)(m - r) : (int)per_tile;
-            TILES_BF16[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL_BF16, pairs,
-                             out + r * out_stride + p * PANEL_BF16, out_stride, b, cols, accumulate);
-        }
+/* rows shared evenly among the fewest tiles (9 rows: 5 + 4, not 8 + 1) */
+static int64_t rows_per_tile_bf16(int64_t m) {
+    const int64_t tiles = (m + MAX_ROWS_BF16 - 1) / MAX_ROWS_BF16;
+    return (m + tiles - 1) / tiles;
+}
+
+void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
+                             int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p) {
+    const int64_t per_tile = rows_per_tile_bf16(m);
+    const int cols = n - p * PANEL_BF16 < PANEL_BF16 ? (int)(n - p * PANEL_BF16) : PANEL_BF16;
+    const bf16 *b = bias ? bias + p * PANEL_BF16 : 0;
+    for (int64_t r = 0; r < m; r += per_tile) {
+        const int rows = m - r < per_tile ? (int)(m - r) : (int)per_tile;
+        TILES_BF16[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL_BF16, k / 2,
+                         out + r * out_stride + p * PANEL_BF16, out_stride, b, cols);
     }
+}
+
+static void linear_body_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
+                             int64_t out_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t panels = (n + PANEL_BF16 - 1) / PANEL_BF16;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        kvray_linear_panel_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
 }
 
 void kvray_linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    kvray_linear_body_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k, 0);
+    linear_body_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k);
+}
+
+/* the panels of an n-column output (fp32 or bf16 panels) */
+int64_t kvray_linear_num_panels(int64_t n, int bf16_io) {
+    return bf16_io ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL;
 }

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c", "cpu_linear.c", "cpu_layer.c")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_decode.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_decode.h", "cpu_share.h")]
 PANEL = {torch.float32: 16, torch.bfloat16: 32}  # output columns of a panel (kernels/cpu_linear.c)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -129,6 +129,7 @@ def library() -> ctypes.CDLL | None:
     layers_args = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32]
     for fn in (lib.kvray_decode_layers_f32, lib.kvray_decode_layers_bf16):
         fn.restype, fn.argtypes = None, layers_args
+    lib.kvray_set_share_redo_ns.restype, lib.kvray_set_share_redo_ns.argtypes = i64, [i64]
     return lib
 
 

@@ -58,33 +58,39 @@ void kvray_rms_row_bf16(const bf16 *src, const bf16 *res, bf16 *sum, bf16 *out, 
         out[i] = f32_to_bf16(bf16_to_f32(weight[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(src[i]) * inv)));
 }
 
-void kvray_rotary_row_f32(float *x, int64_t num_heads, int64_t head_dim, const float *c, const float *s) {
+/* RoPE on a row's heads: dst = rotate(src), in place where dst == src (each pair is read
+ * before it is written) */
+void kvray_rotary_row_f32(const float *src, float *dst, int64_t num_heads, int64_t head_dim, const float *c,
+                          const float *s) {
     const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < num_heads; h++) {
-        float *x1 = x + h * head_dim, *x2 = x1 + half;
+        const float *x1 = src + h * head_dim, *x2 = x1 + half;
+        float *y1 = dst + h * head_dim, *y2 = y1 + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; i++) {
             const float a = x1[i], b = x2[i];
-            x1[i] = a * c[i] - b * s[i];
-            x2[i] = b * c[i] + a * s[i];
+            y1[i] = a * c[i] - b * s[i];
+            y2[i] = b * c[i] + a * s[i];
         }
     }
 }
 
-void kvray_rotary_row_bf16(bf16 *x, int64_t num_heads, int64_t head_dim, const float *c, const float *s) {
+void kvray_rotary_row_bf16(const bf16 *src, bf16 *dst, int64_t num_heads, int64_t head_dim, const float *c,
+                           const float *s) {
     const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < num_heads; h++) {
-        bf16 *x1 = x + h * head_dim, *x2 = x1 + half;
+        const bf16 *x1 = src + h * head_dim, *x2 = x1 + half;
+        bf16 *y1 = dst + h * head_dim, *y2 = y1 + half;
         int64_t i = 0;
         for (; i + 8 <= half; i += 8) {
             const v8 a = load8_bf16(x1 + i), b = load8_bf16(x2 + i), ci = load8(c + i), si = load8(s + i);
-            store8_bf16(x1 + i, a * ci - b * si);
-            store8_bf16(x2 + i, b * ci + a * si);
+            store8_bf16(y1 + i, a * ci - b * si);
+            store8_bf16(y2 + i, b * ci + a * si);
         }
         for (; i < half; i++) {
             const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-            x1[i] = f32_to_bf16(a * c[i] - b * s[i]);
-            x2[i] = f32_to_bf16(b * c[i] + a * s[i]);
+            y1[i] = f32_to_bf16(a * c[i] - b * s[i]);
+            y2[i] = f32_to_bf16(b * c[i] + a * s[i]);
         }
     }
 }
@@ -108,7 +114,7 @@ RMS_NORM(bf16, bf16)
         const int64_t half = head_dim / 2;                                                                      \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * num_heads * head_dim > 32768)") \
         for (int64_t r = 0; r < rows; r++)                                                                      \
-            kvray_rotary_row_##SUFFIX(x + r * row_stride, num_heads, head_dim, cos + r * half, sin + r * half);  \
+            kvray_rotary_row_##SUFFIX(x + r * row_stride, x + r * row_stride, num_heads, head_dim, cos + r * half, sin + r * half);  \
     }
 ROTARY(f32, float)
 ROTARY(bf16, bf16)

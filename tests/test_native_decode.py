@@ -120,6 +120,28 @@ def test_fused_bf16_rows_do_not_depend_on_the_step_around_them(saved_model, monk
     assert torch.equal(single, short), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_steps_are_the_same_when_waiting_threads_redo_items(saved_model, monkeypatch, dtype):
+    """The fused phases' items are idempotent (kernels/cpu_share.h): with the straggler
+    timeout at 0, a thread that finds a phase's items all claimed computes at once every
+    one not yet done, so items run twice, concurrently, and the logits stay bitwise the same."""
+    name, path, _ = saved_model
+    ids = torch.randint(0, 256, (52,), generator=torch.Generator().manual_seed(4)).tolist()
+    config, lib = load_config(path), cpu_native.library()
+    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 steps of several rows fuse too
+    ran = _count_fused(monkeypatch)
+    chunks = [18, 18, 5, 9, 2]
+    plain = _kvray_logits(_model(path, dtype), config, ids, chunks, dtype=dtype)
+    before = lib.kvray_set_share_redo_ns(0)
+    try:
+        redone = _kvray_logits(_model(path, dtype), config, ids, chunks, dtype=dtype)
+    finally:
+        lib.kvray_set_share_redo_ns(before)
+    assert before == 50_000
+    assert ran == [0, 0, 5, 9, 2] * 2, name
+    assert torch.equal(plain, redone), name
+
+
 @pytest.mark.parametrize(
     "dtype",
     [

@@ -1,0 +1,97 @@
+/* Work sharing inside a parallel region that no straggling thread holds up.
+ *
+ * `#pragma omp for` ends with a barrier: every thread of the team must arrive before any
+ * goes on. Where other processes share the cores (a served worker beside the ingress, the
+ * HTTP proxy and the load generator on 2 cores), a thread of the team is taken off its
+ * core every millisecond or two, for ~0.3 ms at a time (BENCHMARKS.md, served against
+ * offline), and at each barrier the other thread spins until it is back: a fused decode
+ * step has ~300 barriers, so nearly every such preemption stalls the whole team.
+ *
+ * Here a phase's items are claimed from a shared counter by whichever thread comes, and a
+ * thread that finds them all claimed waits for them to be done; if none is done for
+ * kvray_share_redo_ns (50 us), the item's holder is taken to be off its core and the waiter computes
+ * the items not yet done itself. So the phases' items must be idempotent: each a pure
+ * function of buffers no later phase writes, writing an output nothing else writes (the
+ * holder, when it is back, writes the same bits again). Each item's completion is a flag,
+ * set once, with release order, after its writes.
+ *
+ *   share_run(s, n, item, ctx, scratch);   (every thread of the team, in the same order)
+ *
+ * returns when all n items are done and their writes visible to the caller. Which thread
+ * computes an item changes nothing in its arithmetic: results stay deterministic and
+ * batch-invariant. A Share serves one phase once (zeroed, with n zeroed flags).
+ */
+#ifndef KVRAY_CPU_SHARE_H
+#define KVRAY_CPU_SHARE_H
+#include <stdint.h>
+#include <time.h>
+
+typedef struct {
+    int64_t next;   /* the next item to claim */
+    int64_t done;   /* items done (each counted once) */
+    uint8_t *flags; /* per item: 1 once done */
+    char pad[40];   /* a cache line per phase: neighbouring phases' counters do not share one */
+} Share;
+
+/* one item of a phase; `scratch`: the calling thread's own */
+typedef void (*share_item)(const void *ctx, void *scratch, int64_t i);
+
+/* no item done for this long: compute the rest here (kernels/cpu_layer.c; a test sets it
+ * to 0, every waiter then computing what is not yet done) */
+extern int64_t kvray_share_redo_ns;
+
+static inline void share_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static inline int64_t share_now_ns(void) {
+    struct timespec t;
+    timespec_get(&t, TIME_UTC);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* the next unclaimed item of n, or -1 when all are claimed */
+static inline int64_t share_claim(Share *s, int64_t n) {
+    if (__atomic_load_n(&s->next, __ATOMIC_RELAXED) >= n) return -1;
+    const int64_t i = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
+    return i < n ? i : -1;
+}
+
+static inline void share_finish(Share *s, int64_t i) {
+    uint8_t zero = 0;
+    if (__atomic_compare_exchange_n(&s->flags[i], &zero, 1, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+        __atomic_fetch_add(&s->done, 1, __ATOMIC_RELEASE);
+}
+
+static inline void share_run(Share *s, int64_t n, share_item item, const void *ctx, void *scratch) {
+    for (int64_t i; (i = share_claim(s, n)) >= 0;) {
+        item(ctx, scratch, i);
+        share_finish(s, i);
+    }
+    int64_t seen = __atomic_load_n(&s->done, __ATOMIC_ACQUIRE);
+    if (seen >= n) return;
+    int64_t since = share_now_ns();
+    for (int spins = 1;; spins++) {
+        const int64_t done = __atomic_load_n(&s->done, __ATOMIC_ACQUIRE);
+        if (done >= n) return;
+        share_relax();
+        if (spins % 32) continue;
+        const int64_t now = share_now_ns();
+        if (done != seen) {
+            seen = done;
+            since = now;
+        } else if (now - since > kvray_share_redo_ns) {
+            break;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) /* the holders are away: their items, here */
+        if (!__atomic_load_n(&s->flags[i], __ATOMIC_ACQUIRE)) {
+            item(ctx, scratch, i);
+            share_finish(s, i);
+        }
+}
+#endif
