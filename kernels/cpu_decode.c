@@ -355,14 +355,20 @@ void kvray_decode_item(const DecodeArgs *a, DecodeScratch *scratch, int64_t i) {
         for (int32_t x = qh0 * head_dim; x < qh1 * head_dim; x++) q_f32[x] = bf16_to_f32(qb[x]);
         qs = q_f32;
     }
-    float *base = it->part < 0 ? own : a->parts + it->part * plan->per_part;
-    float *mx = base, *sm = base + num_q_heads, *acc = base + 2 * num_q_heads;
+    /* the sums run in this thread's scratch; only finished values go out (an item may run
+     * twice at once: cpu_share.h) */
+    float *mx = own, *sm = own + num_q_heads, *acc = own + 2 * num_q_heads;
     attend_item(cache, qs, a->block_tables + it->seq * a->table_stride, it, scores, acc, mx, sm, group, a->quant);
     if (it->part < 0) {
         for (int32_t qh = qh0; qh < qh1; qh++)
             write_out(a->out, a->rows[it->seq] * a->out_stride + qh * head_dim, acc + qh * head_dim, 1.0f / sm[qh],
                       head_dim, bf16_io);
+        return;
     }
+    float *part = a->parts + it->part * plan->per_part;
+    memcpy(part + qh0, mx + qh0, sizeof(float) * (qh1 - qh0));
+    memcpy(part + num_q_heads + qh0, sm + qh0, sizeof(float) * (qh1 - qh0));
+    memcpy(part + 2 * num_q_heads + qh0 * head_dim, acc + qh0 * head_dim, sizeof(float) * (qh1 - qh0) * head_dim);
 }
 
 /* Sequence seq, once every item is done: its spans merged (weights exp(m_p - m)) into

@@ -176,6 +176,32 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path,
     assert_no_leaks(llm)
 
 
+def test_long_contexts_split_across_threads_redo_to_the_same_tokens(smollm2_path, monkeypatch):
+    """Contexts past one attention span (their partial results merged) and 5 decode rows a
+    step, with the straggler timeout at 0, so items, split spans' included, run twice at
+    once: the same greedy tokens and logprobs as with the timeout as shipped."""
+    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
+    lib = cpu_native.library()
+    lengths = (3, 600, 130, 700, 9)
+    prompts = [{"prompt_token_ids": [1 + i, *range(100 + i, 100 + i + n)]} for i, n in enumerate(lengths)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    llm = LLM(model=str(smollm2_path), dtype="float32", max_model_len=1024, enable_prefix_caching=False)
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        logprobs = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in outs]
+        return [o.token_ids for o in outs], logprobs
+
+    plain = run()
+    before = lib.kvray_set_share_redo_ns(0)
+    try:
+        redone = run()
+    finally:
+        lib.kvray_set_share_redo_ns(before)
+    assert redone == plain
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize(
     "dtype",
     [
