@@ -54,6 +54,8 @@ typedef struct {
 /* from kernels/cpu_ops.c and kernels/cpu_linear.c */
 void kvray_rms_row_f32(const float *, const float *, float *, float *, const float *, int64_t, float);
 void kvray_rms_row_bf16(const bf16 *, const bf16 *, bf16 *, bf16 *, const bf16 *, int64_t, float);
+void kvray_add_row_f32(const float *, const float *, float *, int64_t);
+void kvray_add_row_bf16(const bf16 *, const bf16 *, bf16 *, int64_t);
 void kvray_rotary_row_f32(const float *, float *, int64_t, int64_t, const float *, const float *);
 void kvray_rotary_row_bf16(const bf16 *, bf16 *, int64_t, int64_t, const float *, const float *);
 void kvray_linear_panel_f32(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t,
@@ -113,7 +115,7 @@ static void norm_item(const void *phase, void *scratch, int64_t r) {
                           c->res ? (float *)c->sum + at : 0, (float *)c->out + at, c->weight, c->dim, c->eps);
 }
 
-/* out = a + b, rounded as the norm's residual add rounds it; an item is a row */
+/* out = a + b, the residual stream's add (kernels/cpu_ops.c); an item is a row */
 typedef struct {
     int bf16_io;
     const void *a, *b;
@@ -125,17 +127,10 @@ static void add_item(const void *phase, void *scratch, int64_t r) {
     const AddPhase *c = phase;
     const int64_t at = r * c->dim;
     (void)scratch;
-    int64_t i = 0;
-    if (c->bf16_io) {
-        const bf16 *a = (const bf16 *)c->a + at, *b = (const bf16 *)c->b + at;
-        bf16 *out = (bf16 *)c->out + at;
-        for (; i + 8 <= c->dim; i += 8) store8_bf16(out + i, load8_bf16(a + i) + load8_bf16(b + i));
-        for (; i < c->dim; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
-    } else {
-        const float *a = (const float *)c->a + at, *b = (const float *)c->b + at;
-        float *out = (float *)c->out + at;
-        for (; i < c->dim; i++) out[i] = a[i] + b[i];
-    }
+    if (c->bf16_io)
+        kvray_add_row_bf16((const bf16 *)c->a + at, (const bf16 *)c->b + at, (bf16 *)c->out + at, c->dim);
+    else
+        kvray_add_row_f32((const float *)c->a + at, (const float *)c->b + at, (float *)c->out + at, c->dim);
 }
 
 /* qk = RoPE(the q and k heads of a qkv row); its k and the row's v into the cache at the

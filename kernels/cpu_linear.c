@@ -77,21 +77,6 @@ void kvray_linear_panel_f32(const float *x, int64_t x_stride, const float *w_pan
     }
 }
 
-/* Inside a parallel region: the panels shared out among the team */
-static void linear_body_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
-                            int64_t out_stride, int64_t m, int64_t n, int64_t k) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        kvray_linear_panel_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
-}
-
-void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
-                      int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    linear_body_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k);
-}
-
 /* The same in bf16: x, the weight, the bias and out in bf16, the sums in fp32.
  *
  * - w_panels [ceil(n / 32)][k / 2][32][2] (k even): panel p holds weight rows 32p..32p+31,
@@ -205,21 +190,24 @@ void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_pane
     }
 }
 
-static void linear_body_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
-                             int64_t out_stride, int64_t m, int64_t n, int64_t k) {
-    const int64_t panels = (n + PANEL_BF16 - 1) / PANEL_BF16;
-#pragma omp for schedule(static)
+/* the panels of an n-column output (fp32 or bf16 panels) */
+int64_t kvray_linear_num_panels(int64_t n, int bf16_io) {
+    return bf16_io ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL;
+}
+
+/* out = x W^T (+ b), the panels shared out among the threads */
+void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
+                      int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
+    const int64_t panels = kvray_linear_num_panels(n, 0);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < panels; p++)
-        kvray_linear_panel_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
+        kvray_linear_panel_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
 }
 
 void kvray_linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    linear_body_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k);
-}
-
-/* the panels of an n-column output (fp32 or bf16 panels) */
-int64_t kvray_linear_num_panels(int64_t n, int bf16_io) {
-    return bf16_io ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL;
+    const int64_t panels = kvray_linear_num_panels(n, 1);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        kvray_linear_panel_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
 }

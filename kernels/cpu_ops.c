@@ -21,11 +21,23 @@
 #include "cpu_vec.h"
 
 /* One row of each, for the loops below and the fused decode layers (kernels/cpu_layer.c). */
+
+/* the residual stream's add: out = a + b (in bf16, rounded once) */
+void kvray_add_row_f32(const float *a, const float *b, float *out, int64_t dim) {
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = a[i] + b[i];
+}
+
+void kvray_add_row_bf16(const bf16 *a, const bf16 *b, bf16 *out, int64_t dim) {
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) store8_bf16(out + i, load8_bf16(a + i) + load8_bf16(b + i));
+    for (; i < dim; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
 void kvray_rms_row_f32(const float *src, const float *res, float *sum, float *out, const float *weight, int64_t dim,
                        float eps) {
     if (res != 0) {  // the residual stream goes on as x + residual
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) sum[i] = src[i] + res[i];
+        kvray_add_row_f32(src, res, sum, dim);
         src = sum;
     }
     float squares = 0.0f;
@@ -38,12 +50,11 @@ void kvray_rms_row_f32(const float *src, const float *res, float *sum, float *ou
 
 void kvray_rms_row_bf16(const bf16 *src, const bf16 *res, bf16 *sum, bf16 *out, const bf16 *weight, int64_t dim,
                         float eps) {
-    int64_t i = 0;
     if (res != 0) {  // the residual stream goes on as bf16(x + residual)
-        for (; i + 8 <= dim; i += 8) store8_bf16(sum + i, load8_bf16(src + i) + load8_bf16(res + i));
-        for (; i < dim; i++) sum[i] = f32_to_bf16(bf16_to_f32(src[i]) + bf16_to_f32(res[i]));
+        kvray_add_row_bf16(src, res, sum, dim);
         src = sum;
     }
+    int64_t i;
     v8 squares8 = {0};
     for (i = 0; i + 8 <= dim; i += 8) {
         const v8 v = load8_bf16(src + i);
@@ -114,7 +125,8 @@ RMS_NORM(bf16, bf16)
         const int64_t half = head_dim / 2;                                                                      \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * num_heads * head_dim > 32768)") \
         for (int64_t r = 0; r < rows; r++)                                                                      \
-            kvray_rotary_row_##SUFFIX(x + r * row_stride, x + r * row_stride, num_heads, head_dim, cos + r * half, sin + r * half);  \
+            kvray_rotary_row_##SUFFIX(x + r * row_stride, x + r * row_stride, num_heads, head_dim, cos + r * half,  \
+                                      sin + r * half);                                                          \
     }
 ROTARY(f32, float)
 ROTARY(bf16, bf16)
