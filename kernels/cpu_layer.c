@@ -224,25 +224,30 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     /* per layer: the buffers, the attention's partial results, each phase's done flags */
     const int64_t widths[] = {hidden, hidden, qkv_width, qk_width, q_width, hidden, hidden, hidden, 2 * inter, inter,
                               hidden};
-    int64_t per_layer = 0, parts_total = 0, flags_total = rows;
+    int64_t per_layer = 0, parts_total = 0, flags_total = 0;
     for (size_t j = 0; j < sizeof widths / sizeof widths[0]; j++) per_layer += widths[j] * rows * size;
     const int64_t panels_qkv = kvray_linear_num_panels(qkv_width, bf16_io);
     const int64_t panels_hidden = kvray_linear_num_panels(hidden, bf16_io);
     const int64_t panels_gu = kvray_linear_num_panels(2 * inter, bf16_io);
+    const int64_t num_shares = PHASES * num_layers + 1;
+    Share *shares = aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
+    memset(shares, 0, sizeof(Share) * num_shares);
     for (int32_t i = 0; i < num_layers; i++) {
         const DecodePlan *plan = &plans[plan_of[i]];
         parts_total += plan->num_parts * plan->per_part;
-        flags_total += 5 * rows + panels_qkv + 2 * panels_hidden + panels_gu + plan->num_items + num_seqs;
+        const int64_t items[PHASES] = {rows,           panels_qkv, rows,      plan->num_items, num_seqs,
+                                       panels_hidden, rows,       panels_gu, rows,            panels_hidden};
+        for (int j = 0; j < PHASES; j++) shares[PHASES * i + j].n = items[j];
     }
+    shares[num_shares - 1].n = rows;
+    for (int64_t j = 0; j < num_shares; j++) flags_total += shares[j].n;
+    uint8_t *flags = calloc(flags_total, 1);
+    for (int64_t j = 0, offset = 0; j < num_shares; offset += shares[j].n, j++) shares[j].flags = flags + offset;
     char *arena = malloc(per_layer * num_layers);
     float *parts = malloc(sizeof(float) * (parts_total > 0 ? parts_total : 1));
-    uint8_t *flags = calloc(flags_total, 1);
     LayerBuffers *bufs = malloc(sizeof(LayerBuffers) * num_layers);
-    Share *shares = aligned_alloc(64, sizeof(Share) * (PHASES * num_layers + 1)); /* a Share is a cache line */
-    memset(shares, 0, sizeof(Share) * (PHASES * num_layers + 1));
     char *at = arena;
     float *part_at = parts;
-    uint8_t *flag_at = flags;
     for (int32_t i = 0; i < num_layers; i++) {
         void **slot[] = {&bufs[i].x_in, &bufs[i].h,  &bufs[i].qkv, &bufs[i].qk,  &bufs[i].attn, &bufs[i].y,
                          &bufs[i].r,    &bufs[i].h2, &bufs[i].gu,  &bufs[i].act, &bufs[i].z};
@@ -254,14 +259,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         const DecodePlan *plan = &plans[plan_of[i]];
         bufs[i].parts = part_at;
         part_at += plan->num_parts * plan->per_part;
-        const int64_t items[PHASES] = {rows,           panels_qkv, rows,      plan->num_items, num_seqs,
-                                       panels_hidden, rows,       panels_gu, rows,            panels_hidden};
-        for (int j = 0; j < PHASES; j++) {
-            shares[PHASES * i + j].flags = flag_at;
-            flag_at += items[j];
-        }
     }
-    shares[PHASES * num_layers].flags = flag_at;
     const int64_t row = d * size, token = sh->num_kv_heads * row;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -276,31 +274,31 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             /* h = RMSNorm(x_in), x_in = the last layer's r + z */
             const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
                                        l->input_norm, hidden, sh->eps};
-            share_run(&s[0], rows, norm_item, &norm_in, &scratch);
+            share_run(&s[0], norm_item, &norm_in, &scratch);
             const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden};
-            share_run(&s[1], panels_qkv, linear_item, &qkv, &scratch);
+            share_run(&s[1], linear_item, &qkv, &scratch);
             const RopePhase rope = {bf16_io, b->qkv, b->qk, sh, l, cos, sin, slots};
-            share_run(&s[2], rows, rope_item, &rope, &scratch);
+            share_run(&s[2], rope_item, &rope, &scratch);
             const DecodeArgs attend = {plan,   b->parts,     b->qk,    qk_width, b->attn,  q_width,
                                        &cache, block_tables, table_stride, seq_lens, q_rows, num_seqs,
                                        sh->num_q_heads, bf16_io ? BF16 : F32};
-            share_run(&s[3], plan->num_items, attend_item, &attend, &scratch);
-            share_run(&s[4], num_seqs, merge_item, &attend, &scratch);
+            share_run(&s[3], attend_item, &attend, &scratch);
+            share_run(&s[4], merge_item, &attend, &scratch);
             const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width};
-            share_run(&s[5], panels_hidden, linear_item, &o, &scratch);
+            share_run(&s[5], linear_item, &o, &scratch);
             /* r = x_in + y, h2 = RMSNorm(r) */
             const NormPhase norm_post = {bf16_io, b->x_in, b->y, b->r, b->h2, l->post_norm, hidden, sh->eps};
-            share_run(&s[6], rows, norm_item, &norm_post, &scratch);
+            share_run(&s[6], norm_item, &norm_post, &scratch);
             const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu, rows, 2 * inter, hidden};
-            share_run(&s[7], panels_gu, linear_item, &gate_up, &scratch);
+            share_run(&s[7], linear_item, &gate_up, &scratch);
             const SiluPhase silu = {bf16_io, b->gu, b->act, inter};
-            share_run(&s[8], rows, silu_item, &silu, &scratch);
+            share_run(&s[8], silu_item, &silu, &scratch);
             const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter};
-            share_run(&s[9], panels_hidden, linear_item, &down, &scratch);
+            share_run(&s[9], linear_item, &down, &scratch);
         }
         /* x = the last layer's r + z */
         const AddPhase out = {bf16_io, bufs[num_layers - 1].r, bufs[num_layers - 1].z, x, hidden};
-        share_run(&shares[PHASES * num_layers], rows, add_item, &out, &scratch);
+        share_run(&shares[num_shares - 1], add_item, &out, &scratch);
         kvray_decode_scratch_free(&scratch);
     }
     free(shares);

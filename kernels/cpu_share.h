@@ -15,11 +15,11 @@
  * holder, when it is back, writes the same bits again). Each item's completion is a flag,
  * set once, with release order, after its writes.
  *
- *   share_run(s, n, item, ctx, scratch);   (every thread of the team, in the same order)
+ *   share_run(s, item, ctx, scratch);   (every thread of the team, in the same order)
  *
- * returns when all n items are done and their writes visible to the caller. Which thread
+ * returns when all s->n items are done and their writes visible to the caller. Which thread
  * computes an item changes nothing in its arithmetic: results stay deterministic and
- * batch-invariant. A Share serves one phase once (zeroed, with n zeroed flags).
+ * batch-invariant. A Share serves one phase once (zeroed but for n, with n zeroed flags).
  */
 #ifndef KVRAY_CPU_SHARE_H
 #define KVRAY_CPU_SHARE_H
@@ -29,8 +29,9 @@
 typedef struct {
     int64_t next;   /* the next item to claim */
     int64_t done;   /* items done (each counted once) */
+    int64_t n;      /* the phase's items */
     uint8_t *flags; /* per item: 1 once done */
-    char pad[40];   /* a cache line per phase: neighbouring phases' counters do not share one */
+    char pad[32];   /* a cache line per phase: neighbouring phases' counters do not share one */
 } Share;
 
 /* one item of a phase; `scratch`: the calling thread's own */
@@ -54,11 +55,11 @@ static inline int64_t share_now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* the next unclaimed item of n, or -1 when all are claimed */
-static inline int64_t share_claim(Share *s, int64_t n) {
-    if (__atomic_load_n(&s->next, __ATOMIC_RELAXED) >= n) return -1;
+/* the next unclaimed item, or -1 when all are claimed */
+static inline int64_t share_claim(Share *s) {
+    if (__atomic_load_n(&s->next, __ATOMIC_RELAXED) >= s->n) return -1;
     const int64_t i = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
-    return i < n ? i : -1;
+    return i < s->n ? i : -1;
 }
 
 static inline void share_finish(Share *s, int64_t i) {
@@ -67,8 +68,9 @@ static inline void share_finish(Share *s, int64_t i) {
         __atomic_fetch_add(&s->done, 1, __ATOMIC_RELEASE);
 }
 
-static inline void share_run(Share *s, int64_t n, share_item item, const void *ctx, void *scratch) {
-    for (int64_t i; (i = share_claim(s, n)) >= 0;) {
+static inline void share_run(Share *s, share_item item, const void *ctx, void *scratch) {
+    const int64_t n = s->n;
+    for (int64_t i; (i = share_claim(s)) >= 0;) {
         item(ctx, scratch, i);
         share_finish(s, i);
     }
