@@ -36,8 +36,9 @@ def offline(requests, warm_up, threads: int) -> float:
     llm = LLM(model=MODEL, dtype="auto", max_model_len=2048)  # as the presets: bf16 where native
 
     def params(rs):
-        greedy = dict(temperature=0.0, ignore_eos=True)
-        return [SamplingParams(max_tokens=r.expected_output_len, **greedy) for r in rs]
+        return [
+            SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in rs
+        ]
 
     llm.generate([r.prompt for r in warm_up], params(warm_up))
     start = time.perf_counter()
