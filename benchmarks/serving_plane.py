@@ -8,7 +8,7 @@ and tokenizer, written to a temp folder; one colocated worker with a wide batch.
 `--num-prompts` streamed requests of 16 prompt tokens and `--output-len` generated tokens
 (ignore_eos), `--max-concurrency` at once.
 
-    python benchmarks/serving_plane.py [--baseline-src DIR] [--replicas 1,2]
+    python benchmarks/serving_plane.py [--baseline-src DIR] [--replicas 1,2] [--http direct,proxy]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 from serve_harness import Server, cpu_banner, run_load
 
-PLANE = ("ProxyActor", "-ingress", "-router")  # process titles of the plane's actors
+PLANE = ("ProxyActor", "-ingress", "-router")  # process titles of the plane's actors (a
+# direct-ingress app has no proxy: its ingress replicas serve HTTP themselves)
 
 
 def tiny_model(folder: Path) -> Path:
@@ -68,7 +69,7 @@ def plane_cpu_seconds(session: int) -> float:
     return total
 
 
-def config_file(model: Path, replicas: int, new_code: bool) -> str:
+def config_file(model: Path, replicas: int, new_code: bool, direct: bool = True) -> str:
     config = {
         "model_name": "tiny",
         "engine": {"model": str(model), "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 256},
@@ -77,8 +78,9 @@ def config_file(model: Path, replicas: int, new_code: bool) -> str:
         "num_replicas": replicas,
         "max_queued_requests": 512,
     }
-    if new_code:
+    if new_code:  # as the CPU presets: two Routers (and HTTP from the ingress replicas themselves)
         config["router"] = {"num_replicas": 2}
+        config["direct_ingress"] = direct
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="kvray-plane-")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(config, f)
@@ -89,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--baseline-src", default=None)
     parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--http", default="direct,proxy", help="this tree's HTTP paths to run")
     parser.add_argument("--num-prompts", type=int, default=384)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-concurrency", type=int, default=192)
@@ -101,11 +104,14 @@ def main() -> None:
     ]  # fmt: skip
     warm = [*load[:4], "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8"]
     rows = []
-    runs = [("kvray", None)] + ([("baseline", args.baseline_src)] if args.baseline_src else [])
-    for label, src in runs:
+    runs = [(f"kvray, {http}", None, http == "direct") for http in args.http.split(",")]
+    runs += [("baseline", args.baseline_src, False)] if args.baseline_src else []
+    for label, src, direct in runs:
         for replicas in map(int, args.replicas.split(",")):
-            config = config_file(model, replicas, new_code=src is None)
-            with Server(config, src, log=f"/tmp/kvray-plane-{label}-{replicas}.log") as server:
+            config = config_file(model, replicas, new_code=src is None, direct=direct)
+            with Server(
+                config, src, log=f"/tmp/kvray-plane-{label.replace(', ', '-')}-{replicas}.log"
+            ) as server:
                 run_load(server.url, "tiny", [*warm, "--ignore-eos", "--disable-tqdm"])
                 cpu = plane_cpu_seconds(server.proc.pid)
                 r = run_load(server.url, "tiny", load)

@@ -40,12 +40,18 @@ def run_app(
     """Start Serve's proxies on host:port (unless Serve already runs) and deploy the app,
     returning once it is RUNNING. Returns the host and port the proxies listen on: those
     of the Serve instance already running, when there was one (Serve keeps its HTTP
-    options and logs a warning)."""
+    options and logs a warning). With `direct_ingress` the app's ingress replicas listen
+    on host:port themselves (on the head node) and a Serve started here has no proxy."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
     from kvray.router.app import build_app
 
+    if config.direct_ingress:
+        config = config.model_copy(update={"http_host": host, "http_port": port})
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        return host, port
     serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
     http = _get_global_client().http_config

@@ -24,6 +24,7 @@ app (another replica's latest requests a fraction of a second late).
 import asyncio
 import copy
 import dataclasses
+import inspect
 import json
 import logging
 import time
@@ -45,6 +46,7 @@ from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router import metrics
 from kvray.router.api_error import APIError
 from kvray.router.autoscaling import publish_waiting
+from kvray.router.direct_http import DirectHTTP
 from kvray.router.frontend import Frontend, RequestTimeoutError
 from kvray.router.openapi import openapi_body, openapi_schemas
 from kvray.router.pools import pool_deployment
@@ -114,11 +116,14 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
         config = config["config"]
     cfg = load_config(config)
     router = RouterDeployment.options(name=f"{cfg.app_name}-router", num_replicas=cfg.router.num_replicas)
+    actor_options: dict = {"num_cpus": 0}
+    if cfg.direct_ingress:  # they listen where the app's URL points: the head node
+        actor_options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
     ingress = OpenAIIngress.options(
         name=f"{cfg.app_name}-ingress",
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_queued_requests + 16,  # past the limit we answer 503 ourselves
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=actor_options,
     )
     router_app = router.bind(cfg.model_dump())
     roles = ["prefill", "decode"] if cfg.disaggregated else ["mixed"]
@@ -126,6 +131,7 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
     return ingress.bind(cfg.model_dump(), router_app, pools)
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 RETRY_AFTER_NO_WORKER_S = 5  # seconds: about how long Serve takes to replace a worker
 
 # Serve pickles the ingress class by value, with the globals defined before it.
@@ -191,6 +197,22 @@ class OpenAIIngress:
         self.front_id = f"{self.config.app_name}-ingress-{self.replica}-{uuid.uuid4().hex[:6]}"
         self.frontend = Frontend(router, deployment, self.front_id)
         self.publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
+        self.http = None  # direct ingress: this replica's own HTTP server
+        if self.config.direct_ingress:
+            self.http = DirectHTTP(app, self.config.http_host, self.config.http_port)
+
+    async def check_health(self) -> None:
+        """Serve's health check: a replica whose own HTTP server died is replaced."""
+        if self.http is not None and not self.http.alive:
+            raise RuntimeError(f"HTTP server on {self.http.host}:{self.http.port} has stopped")
+
+    async def __del__(self):
+        """Serve stops the replica: stop accepting, let streams in flight finish."""
+        if getattr(self, "http", None) is not None:
+            await self.http.stop()
+        parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
+        if parent is not None and inspect.isawaitable(done := parent()):
+            await done
 
     async def _publish_metrics(self) -> None:
         from ray.experimental import internal_kv

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from serve_fixtures import client, http, server  # noqa: F401 (the Serve apps' fixtures)
+from serve_fixtures import apps, client, colo_server, http, server  # noqa: F401 (the Serve apps' fixtures)
 
 if not torch.cuda.is_available():  # Triton kernels run interpreted on CPUs
     os.environ.setdefault("TRITON_INTERPRET", "1")

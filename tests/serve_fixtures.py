@@ -1,7 +1,9 @@
 """The Serve apps that the HTTP test modules share (test_serve_openai, test_serve_structured):
 one local Ray and two apps for the session, started on first use — the PD preset's shape
-(1 prefill + 1 decode worker, torch_dist) at "/" and the colocated one (1 mixed worker) at
-"/colo" — with the official `openai` client and a raw httpx client beside them.
+(1 prefill + 1 decode worker, torch_dist) at "/" through Serve's proxy (`server`), and the
+colocated one (1 mixed worker) serving HTTP from its ingress replica itself, as the CPU
+presets do (direct ingress, `colo_server`: its own port) — with the official `openai`
+client and a raw httpx client beside them.
 
 Session-scoped so the second module does not pay the start-up again; conftest.py imports
 these fixtures."""
@@ -25,7 +27,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, engine_args):
+def apps(tmp_path_factory, engine_args) -> dict[str, str]:
     ray = pytest.importorskip("ray")
     from ray import serve
 
@@ -49,13 +51,27 @@ def server(tmp_path_factory, engine_args):
         "max_queued_requests": MAX_QUEUED,
     }
     serve.run(build_app(config), name="kvray", route_prefix="/")
-    # the colocated preset's shape beside it: one mixed worker, its own app and route
+    # the colocated preset's shape beside it: one mixed worker, its own app and HTTP port
+    colo_port = free_port()
     colo = {**config, "app_name": "colo", "disaggregated": False, "mixed": pool}
+    colo.update(direct_ingress=True, http_host="127.0.0.1", http_port=colo_port)
     serve.run(build_app(colo), name="colo", route_prefix="/colo")
-    yield f"http://127.0.0.1:{port}"
+    yield {"pd": f"http://127.0.0.1:{port}", "colocated": f"http://127.0.0.1:{colo_port}"}
     serve.shutdown()
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(apps) -> str:
+    """The PD app's base URL (Serve's proxy)."""
+    return apps["pd"]
+
+
+@pytest.fixture(scope="session")
+def colo_server(apps) -> str:
+    """The colocated app's base URL (its ingress replica's own HTTP server)."""
+    return apps["colocated"]
 
 
 @pytest.fixture(scope="session")

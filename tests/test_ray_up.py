@@ -296,9 +296,7 @@ def test_fake_multinode_cluster_autoscales_for_kvray_deploy_answers_and_goes_awa
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(http_port),
-                "--proxy-location",
-                "HeadOnly",  # the fake nodes share one IP: one proxy per port
+                str(http_port),  # the preset's direct ingress listens there, on the head
             ],
             env={**env, "RAY_ADDRESS": address},
             capture_output=True,

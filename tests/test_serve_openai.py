@@ -56,21 +56,21 @@ def _total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
-def _worker_ids() -> dict[str, str]:
+def _worker_ids(app: str = "kvray") -> dict[str, str]:
     """role -> the one worker id of that pool (pool replicas name their workers)."""
-    pools = serve.get_deployment_handle("kvray-router", "kvray").live_workers.remote().result()
+    pools = serve.get_deployment_handle(f"{app}-router", app).live_workers.remote().result()
     return {role: ids[0] for role, ids in pools.items()}
 
 
-def _worker_stats():
-    workers = [ray.get_actor(f"kvray-{wid}") for wid in _worker_ids().values()]
+def _worker_stats(app: str = "kvray"):
+    workers = [ray.get_actor(f"{app}-{wid}") for wid in _worker_ids(app).values()]
     return ray.get([w.stats.remote() for w in workers])
 
 
-def _wait_clean(timeout: float = 30.0):
+def _wait_clean(timeout: float = 30.0, app: str = "kvray"):
     deadline = time.monotonic() + timeout
     while True:
-        stats = _worker_stats()
+        stats = _worker_stats(app)
         if all(s.used_blocks == 0 and s.pinned == 0 and s.num_running == 0 for s in stats):
             return stats
         assert time.monotonic() < deadline, [
@@ -114,12 +114,12 @@ def _stops(tokenizer, token_ids: list[int]) -> dict[str, str]:
     return {"first token": pieces[0], "mid text": word, "across tokens": across}
 
 
-@pytest.mark.parametrize("route", ["", "/colo"], ids=["pd", "colocated"])
-def test_streamed_text_equals_non_streamed_under_stop_strings(server, offline, route):
+@pytest.mark.parametrize("app", ["pd", "colocated"])
+def test_streamed_text_equals_non_streamed_under_stop_strings(apps, offline, app):
     """The first token obeys the stop strings too (it comes from the prefill worker when
     disaggregated); each answer equals the offline engine's with the same stop string."""
     tok = offline["tokenizer"]
-    c = openai.OpenAI(base_url=f"{server}{route}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    c = openai.OpenAI(base_url=f"{apps[app]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     llm = offline["llm"]
     for prompt, full in zip(PROMPTS[:2], offline["completions"][:2]):
         for what, stop in _stops(tok, full.token_ids).items():
@@ -272,6 +272,22 @@ def test_full_queue_503_and_disconnects_free_every_block(server, http):
     assert all(s.num_waiting == 0 for s in stats)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_direct_ingress_answers_and_a_client_leaving_mid_stream_frees_its_blocks(colo_server):
+    """The colocated app serves HTTP from its ingress replica (no Serve proxy): /health and
+    /v1/models answer there, and streams whose clients leave are aborted on the worker."""
+    with httpx.Client(base_url=colo_server, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        assert c.get("/health").json()["workers"]["mixed"]
+        assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
+    opened = [_open_stream(colo_server) for _ in range(3)]
+    try:
+        assert any(s.num_running > 0 and s.used_blocks > 0 for s in _worker_stats("colo"))
+    finally:
+        for c, r, _ in opened:
+            r.close()
+            c.close()
+    _wait_clean(app="colo")
 
 
 def test_metrics_count_what_was_sent(http):

@@ -49,9 +49,8 @@ TIME = {
 
 
 @pytest.fixture(scope="module", params=["pd", "colocated"])
-def api(request, server):  # noqa: F811
-    base = f"{server}/v1" if request.param == "pd" else f"{server}/colo/v1"
-    return openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0, timeout=300)
+def api(request, apps):  # noqa: F811
+    return openai.OpenAI(base_url=f"{apps[request.param]}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def _chat_json(api, schema: dict, stream: bool, temperature: float) -> str:
