@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,14 +22,10 @@ from pathlib import Path
 
 import serve as bench  # benchmarks/serve.py: kvray bench serve
 
+from kvray.cluster.ports import free_port
+
 SERVER_START_S = 600.0
 SERVE_MAIN = "import sys; from kvray.cluster.cli import main; sys.exit(main())"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_banner() -> str:

@@ -1,8 +1,9 @@
 """Local bring-up: start (or join) Ray, start the workers, the Router and a front, tear down.
 
 `RAY_ADDRESS` set: join that cluster. Unset: start a local Ray with a temp dir of our
-own, no dashboard, and token auth disabled for this local cluster only (Ray 2.60 enables
-it by default, and a local single-user cluster has no one to keep out).
+own, no dashboard, token auth disabled for this local cluster only (Ray 2.60 enables
+it by default, and a local single-user cluster has no one to keep out), and Ray's
+background chatter turned down (`QUIET_LOCAL_RAY`).
 
 Without HTTP, a `FrontActor` plays the ingress: it tokenizes, drives each request through
 the workers the Router (an actor here) chooses, and receives their deltas
@@ -28,6 +29,17 @@ from kvray.router.frontend import Frontend
 from kvray.router.router import Router
 from kvray.router.streams import merge
 
+# Ray's periodic work on an idle local cluster (Serve's controller loop every 0.1 s, each
+# replica exporting its metrics every 0.1 s, every worker reporting task events to the GCS
+# every second) took 0.17 of a core on a 2-core machine, 8 % of it; with these, 0.09
+# (BENCHMARKS.md, served against offline). Set where the environment does not say
+# otherwise; the raylet and every worker inherit them.
+QUIET_LOCAL_RAY = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # autoscaling and health react within 0.5 s
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",  # Serve's own ray_serve_* metrics
+    "RAY_task_events_report_interval_ms": "0",  # no task events: the dashboard's task table
+}
+
 
 def ensure_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
     """Connect to Ray; returns True when this call started a local cluster."""
@@ -37,6 +49,8 @@ def ensure_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool
         ray.init(address=os.environ["RAY_ADDRESS"])
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for name, value in QUIET_LOCAL_RAY.items():
+        os.environ.setdefault(name, value)
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="kvray-ray-")
     ray.init(
         num_cpus=num_cpus,

@@ -358,7 +358,8 @@ class AsyncLLM:
 
 class StepTrace:
     """Each step of the loop (commands, the step, handing out its outputs) as one JSON line
-    {"batch": [[new tokens, context, samples], ...], "seconds": s, "cpu_seconds": c}, after
+    {"batch": [[new tokens, context, samples], ...], "seconds": s, "cpu_seconds": c, "end": t}
+    (t: the wall clock at the step's end, to line up several workers' traces), after
     a first line naming the torch threads: the served engine's real step costs, for
     kvray.sim's fit. `cpu_seconds` is the loop thread's own CPU time in the step (its OMP
     helpers not counted): far below `seconds`, the thread waited (for the GIL, or off a
@@ -371,7 +372,8 @@ class StepTrace:
         self.file.write(json.dumps({"threads": torch.get_num_threads()}) + "\n")
 
     def write(self, shape: list[tuple[int, int, bool]], seconds: float, cpu_seconds: float) -> None:
-        self.file.write(json.dumps({"batch": shape, "seconds": seconds, "cpu_seconds": cpu_seconds}) + "\n")
+        line = {"batch": shape, "seconds": seconds, "cpu_seconds": cpu_seconds, "end": time.time()}
+        self.file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         self.file.close()

@@ -10,20 +10,13 @@ these fixtures."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+
+from kvray.cluster.ports import free_port
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_QUEUED = 16
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ import asyncio
 import socket
 
 import pytest
-from serve_fixtures import free_port
+
+from kvray.cluster.ports import free_port
 
 httpx = pytest.importorskip("httpx2")  # the openai client's HTTP library
 from starlette.applications import Starlette  # noqa: E402

@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import yaml
 import kvray.cluster
 from kvray.cluster.cli import build_parser, main
 from kvray.cluster.deploy import app_url
+from kvray.cluster.ports import free_port
 
 pytest.importorskip("jsonschema")  # Ray's validator needs it
 from ray.autoscaler._private import providers  # noqa: E402
@@ -156,12 +156,6 @@ def test_kvray_deploy_without_an_address_says_how_to_give_one(monkeypatch, capsy
 # ---- the fake multi-node cluster, end to end -------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _venv_script(name: str) -> str:
     script = Path(sys.executable).with_name(name)
     return str(script) if script.exists() else name
@@ -247,7 +241,7 @@ def test_fake_multinode_cluster_autoscales_for_kvray_deploy_answers_and_goes_awa
 
     temp_dir = tempfile.mkdtemp(prefix="kvr-")  # short: Ray's socket paths must fit in 107 bytes
     ip = ray.util.get_node_ip_address()  # fake nodes join the GCS at this machine's IP
-    gcs_port, http_port = _free_port(), _free_port()
+    gcs_port, http_port = free_port(), free_port()
     address = f"{ip}:{gcs_port}"
     cluster = _raw(RAY_UP / "fake-multinode.yaml")
     cluster["provider"]["gcs_address"] = address
@@ -274,9 +268,9 @@ def test_fake_multinode_cluster_autoscales_for_kvray_deploy_answers_and_goes_awa
                 "--num-cpus=0",  # as in the YAML's head type: every worker needs a new node
                 "--object-store-memory=200000000",
                 "--include-dashboard=false",
-                f"--dashboard-port={_free_port()}",
-                f"--ray-client-server-port={_free_port()}",
-                f"--dashboard-agent-listen-port={_free_port()}",
+                f"--dashboard-port={free_port()}",
+                f"--ray-client-server-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}",
                 "--disable-usage-stats",
             ],
             env=head_env,

@@ -29,7 +29,8 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from serve_fixtures import free_port  # noqa: E402
+
+from kvray.cluster.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
