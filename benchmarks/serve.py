@@ -93,7 +93,10 @@ async def run_benchmark(args: argparse.Namespace, *, vocab: WordVocab | None = N
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = tqdm(total=len(requests), disable=args.disable_tqdm)
 
-    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT, connector=aiohttp.TCPConnector(limit=0)) as s:
+    # a connection per request: a pooled one the server has closed meanwhile (llama.cpp's
+    # server drops keep-alive connections idle for 5 s) fails the next request sent on it
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT, connector=connector) as s:
 
         async def one(sample: SampleRequest) -> RequestOutput:
             if limit is None:
