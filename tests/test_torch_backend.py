@@ -5,6 +5,8 @@ kernel does not take fall back to torch. Bound: max |out - ref| / max |ref| < 2e
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from attention_cases import attention_f64, dequantized, make_batch, quantize_batch
@@ -12,6 +14,7 @@ from attention_cases import attention_f64, dequantized, make_batch, quantize_bat
 from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionMetadata, get_backend
 from kvray.kernels.kv_quant import dequantize
+from kvray.kernels.torch_backend import split_by_length
 
 REL_TOL = 2e-5
 # decodes of several lengths (one at position 0), a short query after a prefix (7 rows,
@@ -202,3 +205,38 @@ def test_int8_cache_matches_float64_of_its_dequantized_values(
     assert (batch["k_cache"].int() - before.int()).abs().max() <= 1  # re-quantizing moved codes by <= 1
     _check(out, batch, window)
     assert len(calls) == int(native)
+
+
+def _padded_cost(lengths: list[int], ends: list[int], group_cost: int) -> int:
+    cost, begin = 0, 0
+    for end in ends:
+        cost += (end - begin) * lengths[end - 1] + group_cost
+        begin = end
+    return cost
+
+
+def test_decode_groups_split_by_length_hand_checked():
+    # two clusters of lengths: one cut between them beats padding the short ones to 1000
+    # (4 * 1000 + 10 = 4010 against 2 * 10 + 10 + 2 * 1000 + 10 = 2040)
+    assert split_by_length([10, 10, 1000, 1000], 10, 4) == [2, 4]
+    # a group's fixed cost above the padding saved: one group
+    assert split_by_length([10, 10, 1000, 1000], 5000, 4) == [4]
+    assert split_by_length([7], 1024, 4) == [1]
+    assert split_by_length([5, 6, 7], 0, 1) == [3]  # one group allowed
+
+
+def test_decode_groups_split_by_length_is_optimal_against_every_split():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        lengths = sorted(torch.randint(1, 3000, (n,), generator=gen).tolist())
+        group_cost = [0, 10, 1024][int(torch.randint(0, 3, (1,), generator=gen))]
+        max_groups = int(torch.randint(1, 5, (1,), generator=gen))
+        ends = split_by_length(lengths, group_cost, max_groups)
+        assert ends[-1] == n and len(ends) <= max_groups and ends == sorted(set(ends))
+        every = [
+            [*cuts, n] for k in range(min(max_groups, n)) for cuts in itertools.combinations(range(1, n), k)
+        ]
+        assert _padded_cost(lengths, ends, group_cost) == min(
+            _padded_cost(lengths, e, group_cost) for e in every
+        )
