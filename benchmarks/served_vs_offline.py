@@ -27,14 +27,15 @@ from serve_harness import Server, cpu_banner, run_load
 MODEL = "smollm2-135m-instruct"
 
 
-def offline(requests, warm_up, threads: int, max_num_seqs: int = 64) -> float:
+def offline(requests, warm_up, threads: int, max_num_seqs: int | None = None) -> float:
     """Useful tok/s of `LLM.generate` on `requests`, after a run of `warm_up` (other prompts:
     the measured ones must not find their prefixes cached, as the served runs do not).
-    `max_num_seqs`: how many run at once (64, the default, takes the whole load)."""
+    `max_num_seqs`: how many run at once (None: the engine's default, which takes them all)."""
     from kvray.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(model=MODEL, dtype="auto", max_model_len=2048, max_num_seqs=max_num_seqs)  # bf16 where native
+    at_once = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    llm = LLM(model=MODEL, dtype="auto", max_model_len=2048, **at_once)  # as the presets: bf16 where native
 
     def params(rs):
         return [

@@ -123,8 +123,8 @@ def split_by_length(lengths: list[int], group_cost: int, max_groups: int) -> lis
         cost, start = (best[:n].view(n, 1) + span).min(dim=0)  # per end: the best last cut
         best = torch.cat([best.new_full((1,), float("inf")), cost])
         starts.append(start.tolist())
-        if best[n].item() < best_cost:
-            best_cost, num_groups = best[n].item(), g
+        if (total := best[n].item()) < best_cost:
+            best_cost, num_groups = total, g
     ends, end = [], n
     for g in range(num_groups, 0, -1):
         ends.append(end)
