@@ -47,27 +47,6 @@
 #endif
 #define SLICE 4         /* vectors of one head's output kept in registers (32 floats) */
 
-/* sq[i] = exp(sq[i] - m) for i < n, where m = max(sq); returns the sum and sets *max */
-static float softmax_numerators(float *sq, int64_t n, float *max) {
-    float m = sq[0];
-    for (int64_t i = 1; i < n; i++) m = sq[i] > m ? sq[i] : m;
-    v8 total = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const v8 e = exp8(load8(sq + i) - m);
-        store8(sq + i, e);
-        total += e;
-    }
-    float sum = sum8(total);
-    for (; i < n; i++) {
-        sq[i] = expf(sq[i] - m);
-        sum += sq[i];
-    }
-    *max = m;
-    return sum;
-}
-
-
 /* the fp32 scale that ends an 8-bit row */
 static inline float row_scale(const char *row, int32_t head_dim) {
     float s;

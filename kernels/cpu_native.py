@@ -34,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_ops.c", "cpu_linear.c", "cpu_layer.c")
+    Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_ops.c", "cpu_linear.c", "cpu_layer.c")
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_decode.h", "cpu_share.h")]
 PANEL = {torch.float32: 16, torch.bfloat16: 32}  # output columns of a panel (kernels/cpu_linear.c)
@@ -129,6 +129,11 @@ def library() -> ctypes.CDLL | None:
     layers_args = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32]
     for fn in (lib.kvray_decode_layers_f32, lib.kvray_decode_layers_bf16):
         fn.restype, fn.argtypes = None, layers_args
+    # q, its row stride, k, v, their row stride, out, its row stride, q_len, kv_len,
+    # num_q_heads, num_kv_heads, head_dim, scale, threads
+    prefill_args = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32, i32, i32, f32, i32]
+    for fn in (lib.kvray_prefill_attention_f32, lib.kvray_prefill_attention_bf16):
+        fn.restype, fn.argtypes = None, prefill_args
     lib.kvray_set_share_redo_ns.restype, lib.kvray_set_share_redo_ns.argtypes = i64, [i64]
     return lib
 
@@ -212,6 +217,48 @@ def paged_decode(
         sliding_window or 0,
         torch.get_num_threads(),
     )
+
+
+def takes_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes q [T, Hq, D], k and v [L, Hkv, D]: one dtype it
+    runs, on the CPU, unit-stride heads, D a multiple of 64, Hq a multiple of Hkv."""
+    head_dim, num_kv_heads = k.shape[-1], k.shape[-2]
+    return (
+        takes(q.dtype, q.device)
+        and k.dtype == v.dtype == q.dtype
+        and head_dim % 64 == 0
+        and q.shape[1] % num_kv_heads == 0
+        and q.stride()[1:] == (head_dim, 1)
+        and k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
+        and k.stride(0) == v.stride(0)
+    )
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention of one sequence's chunk q [T, Hq, D] over its whole
+    context k, v [L, Hkv, D] (query row i is position L - T + i): [T, Hq, D]. See
+    `takes_prefill` for what it takes (kernels/cpu_prefill.c)."""
+    q_len, num_q_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[0], k.shape[1]
+    assert q_len <= kv_len and takes_prefill(q, k, v)
+    out = torch.empty(q_len, num_q_heads, head_dim, dtype=q.dtype)
+    getattr(library(), f"kvray_prefill_attention_{_suffix(q.dtype)}")(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        q_len,
+        kv_len,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def takes(dtype: torch.dtype, device: torch.device) -> bool:

@@ -3,6 +3,8 @@
  * values (the top 16 bits of an fp32) loaded as floats and stored rounded to nearest even. */
 #ifndef KVRAY_CPU_VEC_H
 #define KVRAY_CPU_VEC_H
+#include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -126,5 +128,25 @@ static inline v8 silu8(v8 x) {
 
 static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* sq[i] = exp(sq[i] - m) for i < n, where m = max(sq); returns the sum and sets *max */
+static inline float softmax_numerators(float *sq, int64_t n, float *max) {
+    float m = sq[0];
+    for (int64_t i = 1; i < n; i++) m = sq[i] > m ? sq[i] : m;
+    v8 total = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 e = exp8(load8(sq + i) - m);
+        store8(sq + i, e);
+        total += e;
+    }
+    float sum = sum8(total);
+    for (; i < n; i++) {
+        sq[i] = expf(sq[i] - m);
+        sum += sq[i];
+    }
+    *max = m;
+    return sum;
 }
 #endif
