@@ -182,30 +182,131 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define FAST_BF16 1
+/* attend_span for a bf16 cache where the CPU has AVX512-BF16, the same outputs: pass 1 takes
+ * each query head's dot with 8 key rows by `vdpbf16ps` straight from the cache (32 bf16 of
+ * q and k a multiply, the pairs' products summed in fp32; the query is bf16 already, so its
+ * fp32 copy narrows back exactly), pass 2 adds up the value rows widened to fp32 in 16-float
+ * vectors. About 2x fewer instructions than the portable 8-float loops. */
+static inline __attribute__((always_inline)) void attend_span_bf16(const Cache *c, const float *qs,
+                                                                   const int32_t *table, int32_t start,
+                                                                   int32_t end, int32_t h0, int32_t h1,
+                                                                   float *scores, float *acc, float *max_out,
+                                                                   float *sum_out, const int group) {
+    const int64_t n = end - start;
+    const int32_t d = c->head_dim, bs = c->block_size, chunks = d / 32;
+    __m512bh qb[(h1 - h0) * group * chunks];
+    for (int32_t qh = 0; qh < (h1 - h0) * group; qh++)
+        for (int32_t x = 0; x < chunks; x++) {
+            const float *qx = qs + ((int64_t)h0 * group + qh) * d + 32 * x;
+            qb[qh * chunks + x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qx + 16), _mm512_loadu_ps(qx));
+        }
+    bf16 zeros[d];
+    memset(zeros, 0, sizeof(zeros));
+    for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
+        const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
+        const char *block = c->k_cache + table[b0 / bs] * c->block_stride;
+        const char *next = next_block(c->k_cache, c, table, b0, end);
+        const char *values = c->v_cache + table[b0 / bs] * c->block_stride;
+        for (int64_t t0 = b0; t0 < b1; t0 += 8) {
+            const int rows = b1 - t0 < 8 ? (int)(b1 - t0) : 8;
+            for (int r = 0; r < rows; r++) {
+                prefetch_row(next, c, t0 + r - first, h0, h1);
+                prefetch_row(values, c, t0 + r - first, h0, h1);
+            }
+            for (int32_t h = h0; h < h1; h++) {
+                const bf16 *k[8];
+                for (int r = 0; r < 8; r++)
+                    k[r] = r < rows ? (const bf16 *)(block + (t0 + r - first) * c->token_stride + h * c->head_stride)
+                                    : zeros;
+                for (int g = 0; g < group; g++) {
+                    const __m512bh *qg = qb + ((h - h0) * group + g) * chunks;
+                    __m512 a[8];
+                    for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+                    for (int32_t x = 0; x < chunks; x++)
+                        for (int r = 0; r < 8; r++)
+                            a[r] = _mm512_dpbf16_ps(a[r], qg[x], (__m512bh)_mm512_loadu_si512(k[r] + 32 * x));
+                    v8 halves[8];
+                    for (int r = 0; r < 8; r++)
+                        halves[r] = (v8)_mm256_add_ps(_mm512_castps512_ps256(a[r]),
+                                                      _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(a[r]), 1)));
+                    const v8 sc = sums8(halves) * c->scale;
+                    float *dst = scores + (h * group + g) * n + (t0 - start);
+                    if (rows == 8) {
+                        store8(dst, sc);
+                    } else {
+                        for (int r = 0; r < rows; r++) dst[r] = sc[r];
+                    }
+                }
+            }
+        }
+    }
+    for (int32_t qh = h0 * group; qh < h1 * group; qh++)
+        sum_out[qh] = softmax_numerators(scores + qh * n, n, &max_out[qh]);
+    for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
+        const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
+        const char *block = c->v_cache + table[b0 / bs] * c->block_stride;
+        const char *next = next_block(c->v_cache, c, table, b0, end);
+        for (int64_t t = b0; t < b1; t++) prefetch_row(next, c, t - first, h0, h1);
+        for (int32_t h = h0; h < h1; h++) {
+            for (int32_t x0 = 0; x0 < d; x0 += 32) {
+                __m512 a[8][2];
+                for (int g = 0; g < group; g++)
+                    for (int s = 0; s < 2; s++)
+                        a[g][s] = b0 == start ? _mm512_setzero_ps()
+                                              : _mm512_loadu_ps(acc + (h * group + g) * d + x0 + 16 * s);
+                for (int64_t t = b0; t < b1; t++) {
+                    const bf16 *vrow = (const bf16 *)(block + (t - first) * c->token_stride + h * c->head_stride);
+                    __m512 vv[2];
+                    for (int s = 0; s < 2; s++)
+                        vv[s] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow + x0 + 16 * s))), 16));
+                    for (int g = 0; g < group; g++) {
+                        const __m512 p = _mm512_set1_ps(scores[(h * group + g) * n + (t - start)]);
+                        for (int s = 0; s < 2; s++) a[g][s] = _mm512_fmadd_ps(p, vv[s], a[g][s]);
+                    }
+                }
+                for (int g = 0; g < group; g++)
+                    for (int s = 0; s < 2; s++) _mm512_storeu_ps(acc + (h * group + g) * d + x0 + 16 * s, a[g][s]);
+            }
+        }
+    }
+}
+#endif
+
 /* one instantiation per (group, quant): both are constants inside attend_span */
 static void attend_item(const Cache *c, const float *qs, const int32_t *table, const Item *it, float *scores,
                         float *acc, float *max_out, float *sum_out, int group, int quant) {
 #define SPAN(G, Q) \
     attend_span(c, qs, table, it->start, it->end, it->head0, it->head0 + it->heads, scores, acc, max_out, sum_out, G, Q)
-#define GROUPS(Q)                 \
-    switch (group) {              \
-        case 1: SPAN(1, Q); break; \
-        case 2: SPAN(2, Q); break; \
-        case 3: SPAN(3, Q); break; \
-        case 4: SPAN(4, Q); break; \
-        case 5: SPAN(5, Q); break; \
-        case 6: SPAN(6, Q); break; \
-        case 7: SPAN(7, Q); break; \
-        default: SPAN(8, Q); break; \
+#ifdef FAST_BF16
+#define SPAN_BF16(G, Q) \
+    attend_span_bf16(c, qs, table, it->start, it->end, it->head0, it->head0 + it->heads, scores, acc, max_out, sum_out, G)
+#else
+#define SPAN_BF16 SPAN
+#endif
+#define GROUPS(CALL, Q)            \
+    switch (group) {               \
+        case 1: CALL(1, Q); break; \
+        case 2: CALL(2, Q); break; \
+        case 3: CALL(3, Q); break; \
+        case 4: CALL(4, Q); break; \
+        case 5: CALL(5, Q); break; \
+        case 6: CALL(6, Q); break; \
+        case 7: CALL(7, Q); break; \
+        default: CALL(8, Q); break; \
     }
     if (quant == INT8) {
-        GROUPS(INT8)
+        GROUPS(SPAN, INT8)
     } else if (quant == BF16) {
-        GROUPS(BF16)
+        GROUPS(SPAN_BF16, BF16)
     } else {
-        GROUPS(F32)
+        GROUPS(SPAN, F32)
     }
 #undef GROUPS
+#undef SPAN_BF16
 #undef SPAN
 }
 

@@ -174,12 +174,13 @@ def test_native_decode_rows_do_not_depend_on_the_rows_beside_them(dtype, window)
     [(Q_LENS, SEQ_LENS, None), (Q_LENS, SEQ_LENS, 50), ([1, 1, 1, 1], [1100, 513, 40, 1537], None)],
     ids=["mix", "window", "spans"],
 )
-def test_bf16_cache_matches_float64(monkeypatch, native, q_lens, seq_lens, window):
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (1, 8, 128), (2, 1, 32)])
+def test_bf16_cache_matches_float64(monkeypatch, native, q_lens, seq_lens, window, num_kv_heads, group, head_dim):
     """bf16 q and caches (a bf16 model's): the native kernel reads the bf16 rows, computes
-    in fp32 and rounds the output once; the torch path runs in bf16. Bound: 1 % of the
-    largest value (bf16 keeps 8 bits)."""
+    in fp32 (with AVX512-BF16: the scores by `vdpbf16ps`) and rounds the output once; the
+    torch path runs in bf16. Bound: 1 % of the largest value (bf16 keeps 8 bits)."""
     calls = _native_calls(monkeypatch, native)
-    batch = make_batch(q_lens, seq_lens, 3, 3, 64, 16, torch.bfloat16, device="cpu")
+    batch = make_batch(q_lens, seq_lens, num_kv_heads, group, head_dim, 16, torch.bfloat16, device="cpu")
     out = _attend(batch, q_lens, seq_lens, 16, window)
     assert out.dtype == torch.bfloat16 and len(calls) == int(native)
     ref = attention_f64(**batch, scale=0.125, window=window)
