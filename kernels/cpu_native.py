@@ -1,6 +1,7 @@
-"""Native CPU kernels (kernels/cpu_decode.c: decode attention; kernels/cpu_ops.c: RMSNorm
-with the residual add, RoPE; kernels/cpu_linear.c: the weight matmuls of steps of a few
-rows; kernels/cpu_layer.c: all of a decode step's layers in one call, from those pieces),
+"""Native CPU kernels (kernels/cpu_decode.c: decode attention; kernels/cpu_prefill.c: prefill
+attention; kernels/cpu_ops.c: RMSNorm with the residual add, RoPE, greedy argmax;
+kernels/cpu_linear.c: the weight matmuls of steps of a few rows; kernels/cpu_layer.c: all
+of a decode step's layers in one call, from those pieces),
 built on first use with the machine's C compiler and loaded through ctypes.
 
 The library is compiled for this processor (`-march=native`) into the user's cache
@@ -134,6 +135,7 @@ def library() -> ctypes.CDLL | None:
     prefill_args = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32, i32, i32, f32, i32]
     for fn in (lib.kvray_prefill_attention_f32, lib.kvray_prefill_attention_bf16):
         fn.restype, fn.argtypes = None, prefill_args
+    lib.kvray_argmax_f32.restype, lib.kvray_argmax_f32.argtypes = None, [ptr, i64, i64, i64, ptr, i32]
     lib.kvray_set_share_redo_ns.restype, lib.kvray_set_share_redo_ns.argtypes = i64, [i64]
     return lib
 
@@ -258,6 +260,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         scale,
         torch.get_num_threads(),
     )
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for fp32 CPU rows [B, V] with unit-stride rows (`usable(x)`): int64 [B],
+    the first index of each row's largest value (of its first NaN, if any)."""
+    rows, n = x.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1
+    out = torch.empty(rows, dtype=torch.int64)
+    library().kvray_argmax_f32(x.data_ptr(), x.stride(0), n, rows, out.data_ptr(), torch.get_num_threads())
     return out
 
 

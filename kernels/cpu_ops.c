@@ -130,3 +130,37 @@ RMS_NORM(bf16, bf16)
     }
 ROTARY(f32, float)
 ROTARY(bf16, bf16)
+
+/* Greedy sampling: out[r] = the index of row r's largest value (the first of equal ones; the
+ * first NaN where a row has one, as torch.argmax gives), rows of n fp32 values `stride`
+ * apart; 8 lanes each keep their best value and where it was, then the lanes meet. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    v8 best = (v8){0} - INFINITY;
+    v8i where = {0}, at = {0, 1, 2, 3, 4, 5, 6, 7}, nan = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8, at += 8) {
+        const v8 v = load8(x + i);
+        const v8i better = v > best;
+        best = (v8)(((v8i)v & better) | ((v8i)best & ~better));
+        where = (at & better) | (where & ~better);
+        nan |= v != v;
+    }
+    float m = -INFINITY;
+    int64_t arg = 0;
+    for (int l = 0; l < 8; l++)
+        if (best[l] > m || (best[l] == m && where[l] < arg)) m = best[l], arg = where[l];
+    for (; i < n; i++)
+        if (x[i] > m) m = x[i], arg = i;
+    int any_nan = 0;
+    for (int l = 0; l < 8; l++) any_nan |= nan[l] != 0;
+    for (i = any_nan ? 0 : n; i < n; i++)  /* the tail's NaNs are caught below */
+        if (x[i] != x[i]) return i;
+    for (i = n / 8 * 8; i < n; i++)
+        if (x[i] != x[i]) return i;
+    return arg;
+}
+
+void kvray_argmax_f32(const float *x, int64_t stride, int64_t n, int64_t rows, int64_t *out, int32_t num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 262144)")
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
+}

@@ -204,3 +204,17 @@ def test_bf16_layers_take_the_native_paths_and_agree_with_torch(monkeypatch):
     for got, want in pairs:
         assert got.dtype == torch.bfloat16 and _rel(got, want.double()) < BF16_TOL
     assert torch.equal(native[1][1], torch_path[1][1])
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 49152])
+def test_argmax_is_torchs_first_largest_index(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n + 3, generator=gen)[:, :n]  # rows 3 values apart beyond n: a strided view
+    x[1] = 0.5  # all equal: the first
+    x[2, n // 2 :] = x[2].max() + 1  # equal maxima in several lanes and the tail: the first
+    x[3] = float("-inf")
+    x[4, n - 1] = float("nan")  # a NaN wins, as in torch
+    x[5, :: max(1, n // 3)] = float("nan")  # the first NaN
+    x[6, n - 1] = float("inf")
+    got = cpu_native.argmax(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
