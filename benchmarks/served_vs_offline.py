@@ -5,7 +5,9 @@ Load (kvray's reference mix, `kvray bench serve --dataset-name mix`): 32 request
 32-384 tokens of English words, outputs 16-160 tokens, ignore_eos, greedy, streamed, 16
 concurrent clients. Offline: `LLM.generate` on the same prompts with 2 torch threads.
 Useful tok/s = the output tokens the requests asked for / wall time. Every engine first
-runs 4 other prompts of the mix (seed + 1), so no measured prompt finds its prefix cached.
+runs `--max-concurrency` other prompts of the mix (seed + 1) at that concurrency, so no
+measured prompt finds its prefix cached and every slot of a server has run once
+(llama.cpp's server runs a slot's first request at about half speed).
 
     python benchmarks/served_vs_offline.py [--presets smollm2-cpu,smollm2-cpu-pd]
         [--baseline-src DIR]              # also serve the presets from another kvray tree
@@ -57,8 +59,11 @@ def bench_args(args) -> list[str]:
 
 
 def served(url: str, model: str, args) -> dict:
-    warm = ["--dataset-name", "mix", "--num-prompts", "4", "--seed", str(args.seed + 1), "--ignore-eos"]
-    run_load(url, model, [*warm, "--disable-tqdm"])  # the offline run's warm-up prompts
+    warm = [
+        "--dataset-name", "mix", "--num-prompts", str(args.max_concurrency), "--seed", str(args.seed + 1),
+        "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--disable-tqdm",
+    ]  # fmt: skip
+    run_load(url, model, warm)  # the offline run's warm-up prompts
     return run_load(url, model, bench_args(args))
 
 
@@ -89,7 +94,7 @@ def main() -> None:
     vocab = WordVocab(load_tokenizer(resolve_model_path(MODEL)))
     requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=args.seed), vocab)
     results: dict[str, dict] = {}
-    warm_up = sample_requests("mix", DatasetArgs(num_prompts=4, seed=args.seed + 1), vocab)
+    warm_up = sample_requests("mix", DatasetArgs(num_prompts=args.max_concurrency, seed=args.seed + 1), vocab)
     base = args.offline_tok_s or offline(requests, warm_up, args.threads)
     print(f"offline ({args.threads} threads): {base:.1f} useful tok/s", flush=True)
     # the same engine held to the clients' concurrency: how much of the gap that alone is
