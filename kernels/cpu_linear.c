@@ -119,7 +119,8 @@ static inline void store_tile_bf16(const float *sums, int rows, int cols, const 
 
 static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64_t x_stride, const bf16 *panel,
                                                             int64_t pairs, bf16 *out, int64_t out_stride,
-                                                            const bf16 *bias, int cols, const int rows) {
+                                                            const bf16 *bias, int cols, const int rows,
+                                                            const char *ahead, int64_t ahead_bytes) {
     /* one fp32 sum per output, over k in order, whatever the tile's rows: a row's result
      * does not depend on how many rows the step has (a decode step's token and the same
      * token among a verification's drafts round alike) */
@@ -128,6 +129,11 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
     for (int64_t j = 0; j < pairs; j++) {
         const bf16 *w = panel + j * 2 * PANEL_BF16;
         const __m512bh lo = (__m512bh)_mm512_loadu_si512(w), hi = (__m512bh)_mm512_loadu_si512(w + PANEL_BF16);
+        if (ahead) { /* this tile's share of the next panel: at most 128 bytes a pair */
+            const char *a = ahead + j * ahead_bytes / pairs;
+            __builtin_prefetch(a);
+            if (ahead_bytes > 64 * pairs) __builtin_prefetch(a + 64);
+        }
         for (int i = 0; i < rows; i++) {
             int32_t pair;
             memcpy(&pair, x + i * x_stride + 2 * j, sizeof(pair));
@@ -146,7 +152,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
 #else
 static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64_t x_stride, const bf16 *panel,
                                                             int64_t pairs, bf16 *out, int64_t out_stride,
-                                                            const bf16 *bias, int cols, const int rows) {
+                                                            const bf16 *bias, int cols, const int rows,
+                                                            const char *ahead, int64_t ahead_bytes) {
+    (void)ahead;
+    (void)ahead_bytes;
     float sums[MAX_ROWS_BF16 * PANEL_BF16] = {0};
     for (int64_t j = 0; j < pairs; j++) {
         const bf16 *w = panel + j * 2 * PANEL_BF16;
@@ -160,17 +169,20 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
 }
 #endif
 
-typedef void (*tile_bf16_fn)(const bf16 *, int64_t, const bf16 *, int64_t, bf16 *, int64_t, const bf16 *, int);
+typedef void (*tile_bf16_fn)(const bf16 *, int64_t, const bf16 *, int64_t, bf16 *, int64_t, const bf16 *, int,
+                             const char *, int64_t);
 
 #define TILE_BF16(ROWS)                                                                                   \
     static void tile_bf16_##ROWS(const bf16 *x, int64_t xs, const bf16 *panel, int64_t pairs, bf16 *out,   \
-                                 int64_t os, const bf16 *bias, int cols) {                                 \
-        tile_bf16(x, xs, panel, pairs, out, os, bias, cols, ROWS);                                         \
+                                 int64_t os, const bf16 *bias, int cols, const char *ahead, int64_t bytes) { \
+        tile_bf16(x, xs, panel, pairs, out, os, bias, cols, ROWS, ahead, bytes);                           \
     }
 TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6) TILE_BF16(7) TILE_BF16(8)
 static const tile_bf16_fn TILES_BF16[MAX_ROWS_BF16 + 1] = {0,           tile_bf16_1, tile_bf16_2,
                                                            tile_bf16_3, tile_bf16_4, tile_bf16_5,
                                                            tile_bf16_6, tile_bf16_7, tile_bf16_8};
+
+int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
 
 /* rows shared evenly among the fewest tiles (9 rows: 5 + 4, not 8 + 1) */
 static int64_t rows_per_tile_bf16(int64_t m) {
@@ -183,10 +195,17 @@ void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_pane
     const int64_t per_tile = rows_per_tile_bf16(m);
     const int cols = n - p * PANEL_BF16 < PANEL_BF16 ? (int)(n - p * PANEL_BF16) : PANEL_BF16;
     const bf16 *b = bias ? bias + p * PANEL_BF16 : 0;
-    for (int64_t r = 0; r < m; r += per_tile) {
+    /* The first tile streams the panel from memory; the later ones read it from L1. They
+     * prefetch the next panel meanwhile, a share each, so memory stays busy throughout. */
+    const int64_t panel_bytes = k * PANEL_BF16 * (int64_t)sizeof(bf16);
+    const int64_t later = (m + per_tile - 1) / per_tile - 1;
+    const char *next = p + 1 < kvray_linear_num_panels(n, 1) ? (const char *)(w_panels + (p + 1) * k * PANEL_BF16) : 0;
+    for (int64_t r = 0, t = 0; r < m; r += per_tile, t++) {
         const int rows = m - r < per_tile ? (int)(m - r) : (int)per_tile;
+        const char *ahead = t > 0 && next ? next + (t - 1) * panel_bytes / later : 0;
         TILES_BF16[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL_BF16, k / 2,
-                         out + r * out_stride + p * PANEL_BF16, out_stride, b, cols);
+                         out + r * out_stride + p * PANEL_BF16, out_stride, b, cols, ahead,
+                         later ? panel_bytes / later : 0);
     }
 }
 
