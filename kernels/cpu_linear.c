@@ -22,16 +22,20 @@
 #include "cpu_decode.h"
 #include "cpu_vec.h"
 
+int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
+
 #define PANEL 16   /* output columns of a panel: two vectors */
 #define MAX_ROWS 6 /* rows of x a tile covers: 12 accumulators of AVX2's 16 registers */
 
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_stride, const float *panel,
                                                        int64_t k, float *out, int64_t out_stride,
-                                                       const float *bias, int cols, const int rows) {
+                                                       const float *bias, int cols, const int rows,
+                                                       const char *ahead, int64_t ahead_bytes) {
     v8 acc[MAX_ROWS][2];
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = (v8){0};
     for (int64_t kk = 0; kk < k; kk++) {
         const v8 lo = load8(panel + kk * PANEL), hi = load8(panel + kk * PANEL + 8);
+        if (ahead) __builtin_prefetch(ahead + kk * ahead_bytes / k); /* at most a line a step */
         for (int i = 0; i < rows; i++) {
             const float xv = x[i * x_stride + kk];
             const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -55,12 +59,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     }
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int,
+                        const char *, int64_t);
 
 #define TILE(ROWS)                                                                                           \
     static void tile_##ROWS(const float *x, int64_t xs, const float *panel, int64_t k, float *out, int64_t os, \
-                            const float *bias, int cols) {                                                  \
-        tile(x, xs, panel, k, out, os, bias, cols, ROWS);                                                    \
+                            const float *bias, int cols, const char *ahead, int64_t bytes) {                \
+        tile(x, xs, panel, k, out, os, bias, cols, ROWS, ahead, bytes);                                      \
     }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn TILES[MAX_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
@@ -70,10 +75,15 @@ void kvray_linear_panel_f32(const float *x, int64_t x_stride, const float *w_pan
                             int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p) {
     const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
     const float *b = bias ? bias + p * PANEL : 0;
-    for (int64_t r = 0; r < m; r += MAX_ROWS) {
+    /* the later tiles prefetch the next panel, a share each (as the bf16 panels below) */
+    const int64_t panel_bytes = k * PANEL * (int64_t)sizeof(float);
+    const int64_t later = (m + MAX_ROWS - 1) / MAX_ROWS - 1;
+    const char *next = p + 1 < kvray_linear_num_panels(n, 0) ? (const char *)(w_panels + (p + 1) * k * PANEL) : 0;
+    for (int64_t r = 0, t = 0; r < m; r += MAX_ROWS, t++) {
         const int rows = m - r < MAX_ROWS ? (int)(m - r) : MAX_ROWS;
+        const char *ahead = t > 0 && next ? next + (t - 1) * panel_bytes / later : 0;
         TILES[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL, k, out + r * out_stride + p * PANEL,
-                    out_stride, b, cols);
+                    out_stride, b, cols, ahead, later ? panel_bytes / later : 0);
     }
 }
 
@@ -181,8 +191,6 @@ TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6) TI
 static const tile_bf16_fn TILES_BF16[MAX_ROWS_BF16 + 1] = {0,           tile_bf16_1, tile_bf16_2,
                                                            tile_bf16_3, tile_bf16_4, tile_bf16_5,
                                                            tile_bf16_6, tile_bf16_7, tile_bf16_8};
-
-int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
 
 /* rows shared evenly among the fewest tiles (9 rows: 5 + 4, not 8 + 1) */
 static int64_t rows_per_tile_bf16(int64_t m) {
