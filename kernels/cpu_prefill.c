@@ -18,7 +18,8 @@
  *   q, out   rows [q_len] of [num_q_heads, head_dim], row stride q_stride / out_stride
  *   k, v     rows [kv_len] of [num_kv_heads, head_dim], row stride kv_stride; query row i
  *            is context position kv_len - q_len + i and sees positions 0..that one
- * Supported: head_dim a multiple of 16; num_q_heads a multiple of num_kv_heads.
+ * Supported: head_dim a multiple of 64 (a value block is up to 64 dims); num_q_heads a
+ * multiple of num_kv_heads (cpu_native.takes_prefill checks both).
  * Built by kernels/cpu_native.py (-O3 -march=native -fopenmp).
  */
 #include <stdint.h>
