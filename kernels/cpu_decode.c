@@ -89,6 +89,62 @@ static inline int64_t num_spans(int32_t len, int32_t window, int32_t span) {
 }
 
 
+/* a chunk's 8 scores of one query head, as stored (a chunk may have fewer rows) */
+static inline void store_scores(float *dst, v8 sc, int rows) {
+    if (rows == 8) {
+        store8(dst, sc);
+    } else {
+        for (int r = 0; r < rows; r++) dst[r] = sc[r];
+    }
+}
+
+/* Where the CPU has AVX512-BF16 a bf16 cache takes two shortcuts in attend_span, same
+ * outputs: pass 1 takes each query head's dot with 8 key rows by `vdpbf16ps` straight from
+ * the cache (32 bf16 of q and k a multiply, the pairs' products summed in fp32; the query
+ * is bf16 already, so its fp32 copy narrows back exactly), pass 2 adds up the value rows
+ * widened to fp32 in 16-float vectors. About 2x fewer instructions than the 8-float loops. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define FAST_BF16 1
+
+/* [q . k_0, ..., q . k_7] for q as d/32 vectors of bf16 pairs and 8 bf16 key rows */
+static inline __attribute__((always_inline)) v8 dots8_bf16(const __m512bh *q, const bf16 *const k[8], int32_t chunks) {
+    __m512 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+    for (int32_t x = 0; x < chunks; x++)
+        for (int r = 0; r < 8; r++) a[r] = _mm512_dpbf16_ps(a[r], q[x], (__m512bh)_mm512_loadu_si512(k[r] + 32 * x));
+    v8 halves[8];
+    for (int r = 0; r < 8; r++)
+        halves[r] = (v8)_mm256_add_ps(_mm512_castps512_ps256(a[r]),
+                                      _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(a[r]), 1)));
+    return sums8(halves);
+}
+
+/* acc[g][0:32] (+)= sum_t p[g][t] v_t[0:32] for a KV head's `group` query heads (acc rows
+ * head_dim apart, p rows n apart) over `rows` bf16 value rows token_stride bytes apart */
+static inline __attribute__((always_inline)) void add_values32_bf16(float *acc, int32_t d, const char *v,
+                                                                    int64_t token_stride, int64_t rows,
+                                                                    const float *p, int64_t n, const int group,
+                                                                    int fresh) {
+    __m512 a[8][2];
+    for (int g = 0; g < group; g++)
+        for (int s = 0; s < 2; s++) a[g][s] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + g * d + 16 * s);
+    for (int64_t t = 0; t < rows; t++) {
+        const bf16 *row = (const bf16 *)(v + t * token_stride);
+        __m512 vv[2];
+        for (int s = 0; s < 2; s++)
+            vv[s] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * s))), 16));
+        for (int g = 0; g < group; g++) {
+            const __m512 pg = _mm512_set1_ps(p[g * n + t]);
+            for (int s = 0; s < 2; s++) a[g][s] = _mm512_fmadd_ps(pg, vv[s], a[g][s]);
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int s = 0; s < 2; s++) _mm512_storeu_ps(acc + g * d + 16 * s, a[g][s]);
+}
+#endif
+
 /* The item's scores, softmax and weighted values. Writes, per query head q_h:
  * acc[q_h][:] = sum_i exp(s_i - m) v_i, max_out[q_h] = m, sum_out[q_h] = sum_i exp(s_i - m). */
 static inline __attribute__((always_inline)) void attend_span(const Cache *c, const float *qs,
@@ -99,6 +155,15 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                                                               const int group, const int quant) {
     const int64_t n = end - start;
     const int32_t d = c->head_dim, bs = c->block_size;
+#ifdef FAST_BF16
+    const int32_t chunks = d / 32;
+    __m512bh qb[quant == BF16 ? (h1 - h0) * group * chunks : 1]; /* the item's query heads in bf16 pairs */
+    for (int32_t qh = 0; quant == BF16 && qh < (h1 - h0) * group; qh++)
+        for (int32_t x = 0; x < chunks; x++) {
+            const float *qx = qs + ((int64_t)h0 * group + qh) * d + 32 * x;
+            qb[qh * chunks + x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qx + 16), _mm512_loadu_ps(qx));
+        }
+#endif
     /* pass 1: scores[q_h][i] = q_h . k_i * scale, each key row read once, front to back,
      * a block at a time (one division per block, none per row), in chunks of 8 rows: per
      * KV head, the chunk's rows (widened to fp32 once, bf16 or int8) meet each of the
@@ -118,6 +183,18 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                 prefetch_row(values, c, t0 + r - first, h0, h1);
             }
             for (int32_t h = h0; h < h1; h++) {
+#ifdef FAST_BF16
+                if (quant == BF16) {
+                    const bf16 *kb[8];
+                    for (int r = 0; r < 8; r++)
+                        kb[r] = r < rows ? (const bf16 *)(block + (t0 + r - first) * c->token_stride + h * c->head_stride)
+                                         : (const bf16 *)zeros;
+                    for (int g = 0; g < group; g++)
+                        store_scores(scores + (h * group + g) * n + (t0 - start),
+                                     dots8_bf16(qb + ((h - h0) * group + g) * chunks, kb, chunks) * c->scale, rows);
+                    continue;
+                }
+#endif
                 const float *k[8];
                 v8 row_scales = {1, 1, 1, 1, 1, 1, 1, 1};
                 for (int r = 0; r < 8; r++) {
@@ -139,13 +216,7 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                         const v8 qv = load8(qg + x);
                         for (int r = 0; r < 8; r++) a[r] += qv * load8(k[r] + x);
                     }
-                    const v8 sc = sums8(a) * row_scales * c->scale;
-                    float *dst = scores + (h * group + g) * n + (t0 - start);
-                    if (rows == 8) {
-                        store8(dst, sc);
-                    } else {
-                        for (int r = 0; r < rows; r++) dst[r] = sc[r];
-                    }
+                    store_scores(scores + (h * group + g) * n + (t0 - start), sums8(a) * row_scales * c->scale, rows);
                 }
             }
         }
@@ -161,6 +232,15 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
         for (int64_t t = b0; t < b1; t++) prefetch_row(next, c, t - first, h0, h1);
         for (int32_t h = h0; h < h1; h++) {
             for (int32_t x0 = 0; x0 < d; x0 += 8 * SLICE) {
+#ifdef FAST_BF16
+                if (quant == BF16) {
+                    add_values32_bf16(acc + h * group * d + x0, d,
+                                      block + (b0 - first) * c->token_stride + h * c->head_stride + x0 * sizeof(bf16),
+                                      c->token_stride, b1 - b0, scores + h * group * n + (b0 - start), n, group,
+                                      b0 == start);
+                    continue;
+                }
+#endif
                 v8 a[8][SLICE];
                 for (int g = 0; g < group; g++)
                     for (int s = 0; s < SLICE; s++)
@@ -182,131 +262,30 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define FAST_BF16 1
-/* attend_span for a bf16 cache where the CPU has AVX512-BF16, the same outputs: pass 1 takes
- * each query head's dot with 8 key rows by `vdpbf16ps` straight from the cache (32 bf16 of
- * q and k a multiply, the pairs' products summed in fp32; the query is bf16 already, so its
- * fp32 copy narrows back exactly), pass 2 adds up the value rows widened to fp32 in 16-float
- * vectors. About 2x fewer instructions than the portable 8-float loops. */
-static inline __attribute__((always_inline)) void attend_span_bf16(const Cache *c, const float *qs,
-                                                                   const int32_t *table, int32_t start,
-                                                                   int32_t end, int32_t h0, int32_t h1,
-                                                                   float *scores, float *acc, float *max_out,
-                                                                   float *sum_out, const int group) {
-    const int64_t n = end - start;
-    const int32_t d = c->head_dim, bs = c->block_size, chunks = d / 32;
-    __m512bh qb[(h1 - h0) * group * chunks];
-    for (int32_t qh = 0; qh < (h1 - h0) * group; qh++)
-        for (int32_t x = 0; x < chunks; x++) {
-            const float *qx = qs + ((int64_t)h0 * group + qh) * d + 32 * x;
-            qb[qh * chunks + x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qx + 16), _mm512_loadu_ps(qx));
-        }
-    bf16 zeros[d];
-    memset(zeros, 0, sizeof(zeros));
-    for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
-        const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
-        const char *block = c->k_cache + table[b0 / bs] * c->block_stride;
-        const char *next = next_block(c->k_cache, c, table, b0, end);
-        const char *values = c->v_cache + table[b0 / bs] * c->block_stride;
-        for (int64_t t0 = b0; t0 < b1; t0 += 8) {
-            const int rows = b1 - t0 < 8 ? (int)(b1 - t0) : 8;
-            for (int r = 0; r < rows; r++) {
-                prefetch_row(next, c, t0 + r - first, h0, h1);
-                prefetch_row(values, c, t0 + r - first, h0, h1);
-            }
-            for (int32_t h = h0; h < h1; h++) {
-                const bf16 *k[8];
-                for (int r = 0; r < 8; r++)
-                    k[r] = r < rows ? (const bf16 *)(block + (t0 + r - first) * c->token_stride + h * c->head_stride)
-                                    : zeros;
-                for (int g = 0; g < group; g++) {
-                    const __m512bh *qg = qb + ((h - h0) * group + g) * chunks;
-                    __m512 a[8];
-                    for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
-                    for (int32_t x = 0; x < chunks; x++)
-                        for (int r = 0; r < 8; r++)
-                            a[r] = _mm512_dpbf16_ps(a[r], qg[x], (__m512bh)_mm512_loadu_si512(k[r] + 32 * x));
-                    v8 halves[8];
-                    for (int r = 0; r < 8; r++)
-                        halves[r] = (v8)_mm256_add_ps(_mm512_castps512_ps256(a[r]),
-                                                      _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(a[r]), 1)));
-                    const v8 sc = sums8(halves) * c->scale;
-                    float *dst = scores + (h * group + g) * n + (t0 - start);
-                    if (rows == 8) {
-                        store8(dst, sc);
-                    } else {
-                        for (int r = 0; r < rows; r++) dst[r] = sc[r];
-                    }
-                }
-            }
-        }
-    }
-    for (int32_t qh = h0 * group; qh < h1 * group; qh++)
-        sum_out[qh] = softmax_numerators(scores + qh * n, n, &max_out[qh]);
-    for (int64_t b0 = start; b0 < end; b0 = (b0 / bs + 1) * bs) {
-        const int64_t first = b0 / bs * bs, b1 = first + bs < end ? first + bs : end;
-        const char *block = c->v_cache + table[b0 / bs] * c->block_stride;
-        const char *next = next_block(c->v_cache, c, table, b0, end);
-        for (int64_t t = b0; t < b1; t++) prefetch_row(next, c, t - first, h0, h1);
-        for (int32_t h = h0; h < h1; h++) {
-            for (int32_t x0 = 0; x0 < d; x0 += 32) {
-                __m512 a[8][2];
-                for (int g = 0; g < group; g++)
-                    for (int s = 0; s < 2; s++)
-                        a[g][s] = b0 == start ? _mm512_setzero_ps()
-                                              : _mm512_loadu_ps(acc + (h * group + g) * d + x0 + 16 * s);
-                for (int64_t t = b0; t < b1; t++) {
-                    const bf16 *vrow = (const bf16 *)(block + (t - first) * c->token_stride + h * c->head_stride);
-                    __m512 vv[2];
-                    for (int s = 0; s < 2; s++)
-                        vv[s] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow + x0 + 16 * s))), 16));
-                    for (int g = 0; g < group; g++) {
-                        const __m512 p = _mm512_set1_ps(scores[(h * group + g) * n + (t - start)]);
-                        for (int s = 0; s < 2; s++) a[g][s] = _mm512_fmadd_ps(p, vv[s], a[g][s]);
-                    }
-                }
-                for (int g = 0; g < group; g++)
-                    for (int s = 0; s < 2; s++) _mm512_storeu_ps(acc + (h * group + g) * d + x0 + 16 * s, a[g][s]);
-            }
-        }
-    }
-}
-#endif
-
 /* one instantiation per (group, quant): both are constants inside attend_span */
 static void attend_item(const Cache *c, const float *qs, const int32_t *table, const Item *it, float *scores,
                         float *acc, float *max_out, float *sum_out, int group, int quant) {
 #define SPAN(G, Q) \
     attend_span(c, qs, table, it->start, it->end, it->head0, it->head0 + it->heads, scores, acc, max_out, sum_out, G, Q)
-#ifdef FAST_BF16
-#define SPAN_BF16(G, Q) \
-    attend_span_bf16(c, qs, table, it->start, it->end, it->head0, it->head0 + it->heads, scores, acc, max_out, sum_out, G)
-#else
-#define SPAN_BF16 SPAN
-#endif
-#define GROUPS(CALL, Q)            \
-    switch (group) {               \
-        case 1: CALL(1, Q); break; \
-        case 2: CALL(2, Q); break; \
-        case 3: CALL(3, Q); break; \
-        case 4: CALL(4, Q); break; \
-        case 5: CALL(5, Q); break; \
-        case 6: CALL(6, Q); break; \
-        case 7: CALL(7, Q); break; \
-        default: CALL(8, Q); break; \
+#define GROUPS(Q)                 \
+    switch (group) {              \
+        case 1: SPAN(1, Q); break; \
+        case 2: SPAN(2, Q); break; \
+        case 3: SPAN(3, Q); break; \
+        case 4: SPAN(4, Q); break; \
+        case 5: SPAN(5, Q); break; \
+        case 6: SPAN(6, Q); break; \
+        case 7: SPAN(7, Q); break; \
+        default: SPAN(8, Q); break; \
     }
     if (quant == INT8) {
-        GROUPS(SPAN, INT8)
+        GROUPS(INT8)
     } else if (quant == BF16) {
-        GROUPS(SPAN_BF16, BF16)
+        GROUPS(BF16)
     } else {
-        GROUPS(SPAN, F32)
+        GROUPS(F32)
     }
 #undef GROUPS
-#undef SPAN_BF16
 #undef SPAN
 }
 
