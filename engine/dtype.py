@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from kvray.kernels.cpu_native import cpu_flags
+from kvray.kernels.cpu_build import cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from attention_cases import attention_f64, dequantized, make_batch, quantize_batch
 
-from kvray.kernels import cpu_native
+from kvray.kernels import cpu_build, cpu_native
 from kvray.kernels.backend import AttentionMetadata, get_backend
 from kvray.kernels.kv_quant import dequantize
 from kvray.kernels.torch_backend import split_by_length
@@ -123,10 +123,10 @@ def test_the_kernel_is_built_once_into_the_cache(tmp_path, monkeypatch):
     import shutil
 
     compiler = shutil.which("cc") or shutil.which("gcc")
-    first = cpu_native._build(compiler)
+    first = cpu_build._build(compiler)
     stamp = first.stat().st_mtime_ns
     assert first.parent == tmp_path / "native" and first.suffix == ".so"
-    assert cpu_native._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_build._build(compiler) == first and first.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.parametrize("window", [None, 700, 100])
@@ -175,7 +175,9 @@ def test_native_decode_rows_do_not_depend_on_the_rows_beside_them(dtype, window)
     ids=["mix", "window", "spans"],
 )
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (1, 8, 128), (2, 1, 32)])
-def test_bf16_cache_matches_float64(monkeypatch, native, q_lens, seq_lens, window, num_kv_heads, group, head_dim):
+def test_bf16_cache_matches_float64(
+    monkeypatch, native, q_lens, seq_lens, window, num_kv_heads, group, head_dim
+):
     """bf16 q and caches (a bf16 model's): the native kernel reads the bf16 rows, computes
     in fp32 (with AVX512-BF16: the scores by `vdpbf16ps`) and rounds the output once; the
     torch path runs in bf16. Bound: 1 % of the largest value (bf16 keeps 8 bits)."""

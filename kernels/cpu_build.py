@@ -1,0 +1,115 @@
+"""Building the native CPU kernels (kernels/cpu_*.c) for this machine and loading them:
+`library()` compiles the sources with the machine's C compiler for this processor
+(`-march=native`) into the user's cache (`$KVRAY_CACHE`, default `~/.cache/kvray`, as for
+models), keyed by the source, the compiler and the CPU's flags, so each machine builds it
+once (about a second), and declares each entry point's C signature. The typed wrappers
+callers use are in kernels/cpu_native.py.
+
+Without a compiler, or with `KVRAY_NATIVE_KERNELS=0`, `library()` is None (the reason
+logged once) and the callers use their pure-torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_ops.c", "cpu_linear.c", "cpu_layer.c")
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_decode.h", "cpu_share.h")]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVRAY_CACHE", Path.home() / ".cache" / "kvray")
+    return Path(root) / "native"
+
+
+def _build(compiler: str) -> Path:
+    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, " ".join(FLAGS).encode(), version.encode(), " ".join(sorted(cpu_flags())).encode()]
+        )
+    )
+    target = _cache_dir() / f"kvray_cpu_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders: last rename wins
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled library, or None (logged) when it cannot be built here."""
+    if os.environ.get("KVRAY_NATIVE_KERNELS", "1") == "0":
+        logger.info("kvray: native CPU kernels off (KVRAY_NATIVE_KERNELS=0)")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("kvray: no C compiler found; CPU decode attention runs on the pure-torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        logger.warning("kvray: native CPU kernels unavailable (%s); using the pure-torch path", e)
+        return None
+    i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    for suffix in ("f32", "bf16"):
+        for fn, args in (
+            (f"kvray_rms_norm_{suffix}", [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32]),
+            (f"kvray_rotary_{suffix}", [ptr, i64, i64, i64, ptr, ptr, i64, i32]),
+            (f"kvray_linear_{suffix}", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]),
+        ):
+            getattr(lib, fn).restype, getattr(lib, fn).argtypes = None, args
+    # q, its stride, out, its stride, k and v caches, block tables, their stride, seq_lens,
+    # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, threads
+    decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]
+    for fn in (lib.kvray_paged_decode_f32, lib.kvray_paged_decode_i8, lib.kvray_paged_decode_bf16):
+        fn.restype, fn.argtypes = None, decode_args
+    # layers, their count, shape, x, rows, cos, sin, slots, block tables, their stride,
+    # seq_lens, q rows, num_seqs, threads
+    layers_args = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32]
+    for fn in (lib.kvray_decode_layers_f32, lib.kvray_decode_layers_bf16):
+        fn.restype, fn.argtypes = None, layers_args
+    # q, its row stride, k, v, their row stride, out, its row stride, q_len, kv_len,
+    # num_q_heads, num_kv_heads, head_dim, scale, threads
+    prefill_args = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32, i32, i32, f32, i32]
+    for fn in (lib.kvray_prefill_attention_f32, lib.kvray_prefill_attention_bf16):
+        fn.restype, fn.argtypes = None, prefill_args
+    lib.kvray_argmax_f32.restype, lib.kvray_argmax_f32.argtypes = None, [ptr, i64, i64, i64, ptr, i32]
+    lib.kvray_set_share_redo_ns.restype, lib.kvray_set_share_redo_ns.argtypes = i64, [i64]
+    return lib
