@@ -130,10 +130,25 @@ static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* sq[i] = exp(sq[i] - m) for i < n, where m = max(sq); returns the sum and sets *max */
-static inline float softmax_numerators(float *sq, int64_t n, float *max) {
+/* the largest of sq[0:n], n >= 1 */
+static inline float max_of(const float *sq, int64_t n) {
     float m = sq[0];
-    for (int64_t i = 1; i < n; i++) m = sq[i] > m ? sq[i] : m;
+    int64_t i = 0;
+    if (n >= 8) { /* 8 running maxima (a scalar chain waits ~3 cycles an element) */
+        v8 ms = load8(sq);
+        for (i = 8; i + 8 <= n; i += 8) {
+            const v8 x = load8(sq + i);
+            const v8i above = x > ms;
+            ms = (v8)(((v8i)x & above) | ((v8i)ms & ~above));
+        }
+        for (int r = 0; r < 8; r++) m = ms[r] > m ? ms[r] : m;
+    }
+    for (; i < n; i++) m = sq[i] > m ? sq[i] : m;
+    return m;
+}
+
+/* sq[i] = exp(sq[i] - m) for i < n; returns their sum */
+static inline float exp_sum(float *sq, int64_t n, float m) {
     v8 total = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -146,7 +161,12 @@ static inline float softmax_numerators(float *sq, int64_t n, float *max) {
         sq[i] = expf(sq[i] - m);
         sum += sq[i];
     }
-    *max = m;
     return sum;
+}
+
+/* sq[i] = exp(sq[i] - m) for i < n, where m = max(sq); returns the sum and sets *max */
+static inline float softmax_numerators(float *sq, int64_t n, float *max) {
+    *max = max_of(sq, n);
+    return exp_sum(sq, n, *max);
 }
 #endif
