@@ -9,8 +9,9 @@
  *
  * Here a phase's items are claimed from a shared counter by whichever thread comes, and a
  * thread that finds them all claimed waits for them to be done; if none is done for
- * kvray_share_redo_ns (50 us), the item's holder is taken to be off its core and the waiter computes
- * the items not yet done itself. So the phases' items must be idempotent: each a pure
+ * kvray_share_redo_ns (50 us), or twice the longest item the waiter ran in the phase where
+ * that is longer, the item's holder is taken to be off its core and the waiter computes the
+ * items not yet done itself. So the phases' items must be idempotent: each a pure
  * function of buffers no later phase writes, writing an output nothing else writes (the
  * holder, when it is back, writes the same bits again). Each item's completion is a flag,
  * set once, with release order, after its writes.
@@ -70,12 +71,20 @@ static inline void share_finish(Share *s, int64_t i) {
 
 static inline void share_run(Share *s, share_item item, const void *ctx, void *scratch) {
     const int64_t n = s->n;
+    int64_t longest = 0, start = share_now_ns(); /* the longest item this thread ran */
     for (int64_t i; (i = share_claim(s)) >= 0;) {
         item(ctx, scratch, i);
         share_finish(s, i);
+        const int64_t end = share_now_ns();
+        longest = end - start > longest ? end - start : longest;
+        start = end;
     }
     int64_t seen = __atomic_load_n(&s->done, __ATOMIC_ACQUIRE);
     if (seen >= n) return;
+    /* an item still running may take as long as the longest one here did: not before twice
+     * that is its holder taken to be away (0: at once) */
+    const int64_t patience = kvray_share_redo_ns && 2 * longest > kvray_share_redo_ns ? 2 * longest
+                                                                                       : kvray_share_redo_ns;
     int64_t since = share_now_ns();
     for (int spins = 1;; spins++) {
         const int64_t done = __atomic_load_n(&s->done, __ATOMIC_ACQUIRE);
@@ -86,7 +95,7 @@ static inline void share_run(Share *s, share_item item, const void *ctx, void *s
         if (done != seen) {
             seen = done;
             since = now;
-        } else if (now - since > kvray_share_redo_ns) {
+        } else if (now - since > patience) {
             break;
         }
     }
