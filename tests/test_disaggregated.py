@@ -15,6 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from kvray.actors.launch import start_worker  # noqa: E402
 from kvray.actors.messages import EngineRequest  # noqa: E402
 from kvray.cluster.local import ensure_ray, launch  # noqa: E402
 from kvray.engine import (  # noqa: E402
@@ -196,6 +197,92 @@ def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens
         _assert_clean(cluster)
     finally:
         cluster.shutdown()
+
+
+# Speculating decode pools. The grounded prompts' outputs repeat spans of the prompt, so
+# n-gram drafts are kept there; PROMPTS are open-ended, where they are mostly rejected.
+GROUNDED = [
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    "# The same functions with type hints:\n",
+    "Copy the list: apples, pears, plums, cherries, grapes, lemons.\nCopy: apples, pears,",
+    "<tr><td>1</td><td>alpha</td></tr>\n<tr><td>2</td><td>beta</td></tr>\n<tr><td>3</td><td>",
+]
+SPEC_PROMPTS = PROMPTS + GROUNDED
+SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def offline_spec(offline_llm):
+    return [o.outputs[0].token_ids for o in offline_llm.generate(SPEC_PROMPTS, SPEC_GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def speculating(local_ray, engine_args, smollm2_path):
+    """One PD deployment whose decode pool (decode-0) speculates with n-gram, and a second
+    decode worker, `decode-draft`, with SmolLM2 as its own draft model, started beside it
+    but out of the router until a test swaps it in (`_decode_on`). Both decode engines
+    (model dtype KV) get 96 MiB so that all of SPEC_PROMPTS fit without preemption even
+    when the draft's K/V shares the blocks."""
+    decode = {"speculative_config": NGRAM, "kv_cache_memory_bytes": 96 << 20}
+    cluster = _deploy(engine_args, decode_engine=decode)
+    try:
+        draft = {"method": "draft_model", "model": str(smollm2_path), "num_speculative_tokens": 4}
+        engine = {**engine_args, **decode, "speculative_config": draft}
+        actor, pg = start_worker(
+            "decode-draft", "decode", engine, cluster.config.decode, cluster.config.kv_transfer
+        )
+        cluster.workers["decode-draft"] = ("decode", actor, pg)  # shutdown() stops it too
+        ray.get(actor.ready.remote())
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def _decode_on(cluster, worker_id: str):
+    """Make `worker_id` the router's only decode worker; returns its handle."""
+    for wid, (role, *_) in cluster.workers.items():
+        if role == "decode" and wid != worker_id:
+            ray.get(cluster.router.remove_worker.remote(wid, "swapped out by the test"))
+    actor = cluster.workers[worker_id][1]
+    ray.get(cluster.router.add_worker.remote(worker_id, "decode", actor))
+    assert ray.get(cluster.router.live_workers.remote())["decode"] == [worker_id]
+    return actor
+
+
+def _assert_spec_pd_run(cluster, worker_id: str, want: list[list[int]]):
+    """All of SPEC_PROMPTS at once through prefill and `worker_id`: the offline engine's
+    greedy tokens, the prompts' KV pulled (not recomputed), and nothing left held."""
+    decode = _decode_on(cluster, worker_id)
+    before = ray.get(decode.stats.remote()).spec_decode
+    finals = _run_all(cluster, SPEC_PROMPTS, SPEC_GREEDY)
+    assert all(f.finished for f in finals)
+    got = [f.outputs[0].token_ids for f in finals]
+    assert got == want, [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    stats = ray.get(decode.stats.remote())
+    assert stats.kv_transfer_bytes > 0 and stats.kv_recomputes == 0 and stats.prefix_queries == 0
+    _assert_clean(cluster)
+    spec = stats.spec_decode
+    return (
+        spec.num_draft_tokens - before.num_draft_tokens,
+        spec.num_accepted_tokens - before.num_accepted_tokens,
+    )
+
+
+def test_ngram_speculating_decode_pool_gives_offline_tokens(speculating, offline_spec):
+    """13 prompts, model-dtype KV: drafts verified on the decode side after the pull keep
+    every greedy token of plain offline decoding; some drafts are kept, some rejected."""
+    drafted, accepted = _assert_spec_pd_run(speculating, "decode-0", offline_spec)
+    assert 0 < accepted < drafted
+
+
+def test_draft_model_speculating_decode_pool_gives_offline_tokens(speculating, offline_spec):
+    """The draft model has no pulled K/V (only the target's is pulled): it catches up over
+    each prompt on the decode worker, then proposes; SmolLM2 drafting for itself is
+    almost always right, and the tokens are still plain offline decoding's."""
+    drafted, accepted = _assert_spec_pd_run(speculating, "decode-draft", offline_spec)
+    assert drafted > 0 and accepted / drafted > 0.8
 
 
 def test_expired_lease_recomputes_identically(local_ray, engine_args, offline):

@@ -217,6 +217,31 @@ def test_sharded_llm_gives_transformers_tokens(local_ray, engine_args, reference
 
 
 @pytest.mark.slow
+def test_sharded_llm_with_a_draft_model_gives_transformers_tokens(
+    local_ray, engine_args, reference, hf_smollm2, smollm2_path
+):
+    """A tp=2 target verifies the proposals of an unsharded draft (SmolLM2 itself, beside
+    the driver shard, on the target's block tables): the tokens are transformers' greedy
+    ones, the draft is almost always right, and no block is left used."""
+    import ray
+
+    from kvray.engine import LLM, SamplingParams
+
+    prompts, want = reference
+    draft = {"method": "draft_model", "model": str(smollm2_path), "num_speculative_tokens": 3}
+    with LLM(**engine_args, tensor_parallel_size=2, speculative_config=draft) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        )
+        spec = ray.get(llm._group.worker.stats.remote()).spec_decode
+        stats = llm.kv_cache_stats()
+    for p, out, w in zip(prompts, outs, want):
+        assert_matches_reference(hf_smollm2, p, out.outputs[0].token_ids, w)
+    assert spec.num_draft_tokens > 0 and spec.acceptance_rate > 0.8, spec
+    assert stats.used_blocks == 0 and stats.free_blocks + stats.cached_free_blocks == stats.total_blocks
+
+
+@pytest.mark.slow
 def test_sharded_llm_rejects_bad_input_and_keeps_serving(local_ray, engine_args):
     from kvray.engine import LLM, SamplingParams
     from kvray.errors import InvalidArgumentError
