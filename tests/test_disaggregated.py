@@ -218,7 +218,7 @@ def offline_spec(offline_llm):
     return [o.outputs[0].token_ids for o in offline_llm.generate(SPEC_PROMPTS, SPEC_GREEDY)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")  # torn down after its class: later tests deploy the same names
 def speculating(local_ray, engine_args, smollm2_path):
     """One PD deployment whose decode pool (decode-0) speculates with n-gram, and a second
     decode worker, `decode-draft`, with SmolLM2 as its own draft model, started beside it
@@ -270,19 +270,19 @@ def _assert_spec_pd_run(cluster, worker_id: str, want: list[list[int]]):
     )
 
 
-def test_ngram_speculating_decode_pool_gives_offline_tokens(speculating, offline_spec):
-    """13 prompts, model-dtype KV: drafts verified on the decode side after the pull keep
-    every greedy token of plain offline decoding; some drafts are kept, some rejected."""
-    drafted, accepted = _assert_spec_pd_run(speculating, "decode-0", offline_spec)
-    assert 0 < accepted < drafted
+class TestSpeculatingDecodePools:
+    def test_ngram_gives_offline_tokens(self, speculating, offline_spec):
+        """13 prompts, model-dtype KV: drafts verified on the decode side after the pull keep
+        every greedy token of plain offline decoding; some drafts are kept, some rejected."""
+        drafted, accepted = _assert_spec_pd_run(speculating, "decode-0", offline_spec)
+        assert 0 < accepted < drafted
 
-
-def test_draft_model_speculating_decode_pool_gives_offline_tokens(speculating, offline_spec):
-    """The draft model has no pulled K/V (only the target's is pulled): it catches up over
-    each prompt on the decode worker, then proposes; SmolLM2 drafting for itself is
-    almost always right, and the tokens are still plain offline decoding's."""
-    drafted, accepted = _assert_spec_pd_run(speculating, "decode-draft", offline_spec)
-    assert drafted > 0 and accepted / drafted > 0.8
+    def test_draft_model_gives_offline_tokens(self, speculating, offline_spec):
+        """The draft model has no pulled K/V (only the target's is pulled): it catches up over
+        each prompt on the decode worker, then proposes; SmolLM2 drafting for itself is
+        almost always right, and the tokens are still plain offline decoding's."""
+        drafted, accepted = _assert_spec_pd_run(speculating, "decode-draft", offline_spec)
+        assert drafted > 0 and accepted / drafted > 0.8
 
 
 def test_expired_lease_recomputes_identically(local_ray, engine_args, offline):
