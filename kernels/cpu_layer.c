@@ -75,26 +75,23 @@ int64_t kvray_set_share_redo_ns(int64_t ns) {
 }
 
 enum { PHASES = 10 }; /* per layer (decode attention's items and merge two of them); one more at the end */
+enum { ATTEND = 3 };  /* the phase of decode attention's items */
 
-/* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a run of panels */
+/* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a panel */
 typedef struct {
     int bf16_io;
     const void *x, *w, *b;
     void *out;
     int64_t m, n, k;
-    int64_t per_item; /* an item is a run of this many neighbouring panels (run_length) */
 } LinearPhase;
 
 static void linear_item(const void *phase, void *scratch, int64_t p) {
     const LinearPhase *c = phase;
     (void)scratch;
-    const int64_t last = (p + 1) * c->per_item, panels = kvray_linear_num_panels(c->n, c->bf16_io);
-    for (int64_t q = p * c->per_item; q < (last < panels ? last : panels); q++) {
-        if (c->bf16_io)
-            kvray_linear_panel_bf16(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, q);
-        else
-            kvray_linear_panel_f32(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, q);
-    }
+    if (c->bf16_io)
+        kvray_linear_panel_bf16(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, p);
+    else
+        kvray_linear_panel_f32(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, p);
 }
 
 /* sum = src + res (where res is given), out = RMSNorm(that) * weight; an item is a row */
@@ -205,23 +202,6 @@ typedef struct {
     float *parts;
 } LayerBuffers;
 
-/* How many neighbouring panels a matmul phase's item covers: about RUNS_PER_THREAD items
- * a thread. A panel prefetches the one after it (kernels/cpu_linear.c); items of one panel,
- * claimed by the threads in turn, left every prefetch to the panel another thread was
- * already reading and every thread's own next panel cold: a decode step's matmuls ran
- * ~1.5x slower than in one `omp for` of halves (BENCHMARKS.md, offline throughput). */
-enum { RUNS_PER_THREAD = 4 };
-
-static int64_t run_length(int64_t n, int bf16_io, int32_t num_threads) {
-    const int64_t panels = kvray_linear_num_panels(n, bf16_io), runs = (int64_t)RUNS_PER_THREAD * num_threads;
-    return panels > runs ? (panels + runs - 1) / runs : 1;
-}
-
-/* the items of an n-column matmul in runs of `per` panels */
-static int64_t num_runs(int64_t n, int bf16_io, int64_t per) {
-    return (kvray_linear_num_panels(n, bf16_io) + per - 1) / per;
-}
-
 static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *sh, void *x, int64_t rows,
                           const float *cos, const float *sin, const int64_t *slots, const int32_t *block_tables,
                           int64_t table_stride, const int32_t *seq_lens, const int64_t *q_rows, int32_t num_seqs,
@@ -247,22 +227,25 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                               hidden};
     int64_t per_layer = 0, parts_total = 0, flags_total = 0;
     for (size_t j = 0; j < sizeof widths / sizeof widths[0]; j++) per_layer += widths[j] * rows * size;
-    /* the matmuls' items: runs of per_* panels */
-    const int64_t per_qkv = run_length(qkv_width, bf16_io, num_threads), runs_qkv = num_runs(qkv_width, bf16_io, per_qkv);
-    const int64_t per_hidden = run_length(hidden, bf16_io, num_threads);
-    const int64_t runs_hidden = num_runs(hidden, bf16_io, per_hidden);
-    const int64_t per_gu = run_length(2 * inter, bf16_io, num_threads), runs_gu = num_runs(2 * inter, bf16_io, per_gu);
+    const int64_t panels_qkv = kvray_linear_num_panels(qkv_width, bf16_io);
+    const int64_t panels_hidden = kvray_linear_num_panels(hidden, bf16_io);
+    const int64_t panels_gu = kvray_linear_num_panels(2 * inter, bf16_io);
     const int64_t num_shares = PHASES * num_layers + 1;
     Share *shares = aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
     memset(shares, 0, sizeof(Share) * num_shares);
     for (int32_t i = 0; i < num_layers; i++) {
         const DecodePlan *plan = &plans[plan_of[i]];
         parts_total += plan->num_parts * plan->per_part;
-        const int64_t items[PHASES] = {rows,        runs_qkv, rows,    plan->num_items, num_seqs,
-                                       runs_hidden, rows,     runs_gu, rows,            runs_hidden};
-        for (int j = 0; j < PHASES; j++) shares[PHASES * i + j].n = items[j];
+        /* the merge has nothing to do where no sequence is split into spans */
+        const int64_t merges = plan->num_parts ? num_seqs : 0; /* none where no sequence is split */
+        const int64_t items[PHASES] = {rows,          panels_qkv, rows,      plan->num_items, merges,
+                                       panels_hidden, rows,       panels_gu, rows,            panels_hidden};
+        /* in runs of neighbours (cpu_share.h), but for attention's items: the plan orders
+         * them longest first, and one at a time evens out the threads best */
+        for (int j = 0; j < PHASES; j++)
+            share_init(&shares[PHASES * i + j], items[j], j == ATTEND ? 1 : 0, num_threads);
     }
-    shares[num_shares - 1].n = rows;
+    share_init(&shares[num_shares - 1], rows, 0, num_threads);
     for (int64_t j = 0; j < num_shares; j++) flags_total += shares[j].n;
     uint8_t *flags = calloc(flags_total, 1);
     for (int64_t j = 0, offset = 0; j < num_shares; offset += shares[j].n, j++) shares[j].flags = flags + offset;
@@ -298,7 +281,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
                                        l->input_norm, hidden, sh->eps};
             share_run(&s[0], norm_item, &norm_in, &scratch);
-            const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden, per_qkv};
+            const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden};
             share_run(&s[1], linear_item, &qkv, &scratch);
             const RopePhase rope = {bf16_io, b->qkv, b->qk, sh, l, cos, sin, slots};
             share_run(&s[2], rope_item, &rope, &scratch);
@@ -307,16 +290,16 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                                        sh->num_q_heads, bf16_io ? BF16 : F32};
             share_run(&s[3], attend_item, &attend, &scratch);
             share_run(&s[4], merge_item, &attend, &scratch);
-            const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width, per_hidden};
+            const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width};
             share_run(&s[5], linear_item, &o, &scratch);
             /* r = x_in + y, h2 = RMSNorm(r) */
             const NormPhase norm_post = {bf16_io, b->x_in, b->y, b->r, b->h2, l->post_norm, hidden, sh->eps};
             share_run(&s[6], norm_item, &norm_post, &scratch);
-            const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu, rows, 2 * inter, hidden, per_gu};
+            const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu, rows, 2 * inter, hidden};
             share_run(&s[7], linear_item, &gate_up, &scratch);
             const SiluPhase silu = {bf16_io, b->gu, b->act, inter};
             share_run(&s[8], silu_item, &silu, &scratch);
-            const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter, per_hidden};
+            const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter};
             share_run(&s[9], linear_item, &down, &scratch);
         }
         /* x = the last layer's r + z */
