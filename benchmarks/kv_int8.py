@@ -21,8 +21,12 @@ from serve_harness import cpu_banner
 CACHES = ("auto", "int8")
 
 
-def kernel_ms(kv_cache_dtype: str, seqs: int = 16, context: int = 1000, reps: int = 20) -> float:
-    """Milliseconds of one layer's native decode attention (SmolLM2's heads)."""
+def kernel_ms(
+    kv_cache_dtype: str, model_dtype: torch.dtype, seqs: int = 16, context: int = 1000, reps: int = 20
+) -> float:
+    """Milliseconds of one layer's native decode attention (SmolLM2's heads): an "auto"
+    cache holds the model's dtype (bf16 where `dtype=auto` chose it); the int8 kernel
+    takes fp32 queries."""
     from kvray.kernels import cpu_native
     from kvray.kernels.kv_quant import QUANTS, quantize, split_cache
 
@@ -30,16 +34,16 @@ def kernel_ms(kv_cache_dtype: str, seqs: int = 16, context: int = 1000, reps: in
     blocks_per_seq = -(-context // block)
     num_blocks = seqs * blocks_per_seq
     values = torch.randn(2, num_blocks, block, kv_heads, head_dim)
-    scales = (None, None)
+    scales, q_dtype = (None, None), torch.float32
     if kv_cache_dtype == "auto":
-        k, v = values[0], values[1]
+        k, v, q_dtype = values[0].to(model_dtype), values[1].to(model_dtype), model_dtype
     else:
         storage = torch.zeros(2, num_blocks, block, kv_heads, head_dim + 4, dtype=torch.int8)
         (k, ks), (v, vs) = (split_cache(storage[i], QUANTS[kv_cache_dtype]) for i in range(2))
         for codes, sc, x in ((k, ks, values[0]), (v, vs, values[1])):
             codes[:], sc[:] = quantize(x, QUANTS[kv_cache_dtype])
         scales = (ks, vs)
-    q = torch.randn(seqs, heads, head_dim)
+    q = torch.randn(seqs, heads, head_dim).to(q_dtype)
     out = torch.empty_like(q)
     tables = torch.randperm(num_blocks).view(seqs, blocks_per_seq).to(torch.int32).contiguous()
     lens = torch.full((seqs,), context, dtype=torch.int32)
@@ -93,7 +97,7 @@ def main() -> None:
         per_token = layout.packed_bytes(1) / layout.block_size
         print(
             f"| {name} | {runner.bytes_per_block:,} | {gib // runner.bytes_per_block:,} | "
-            f"{per_token:,.0f} | {kernel_ms(c):.2f} |",
+            f"{per_token:,.0f} | {kernel_ms(c, llm.engine.dtype):.2f} |",
             flush=True,
         )
     print()

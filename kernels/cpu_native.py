@@ -42,9 +42,8 @@ LINEAR_ROWS = _linear_rows()
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
     """Whether `paged_decode` takes these: head_dim a multiple of 32, at most 8 query heads
-    per KV head, unit-stride heads; fp32 q with a contiguous fp32 cache or int8 codes whose
-    rows end in their scales (kv_quant.split_cache's views), or bf16 q with a contiguous
-    bf16 cache."""
+    per KV head, unit-stride heads; fp32 or bf16 q with a contiguous cache of its dtype or
+    int8 codes whose rows end in their scales (kv_quant.split_cache's views)."""
     head_dim, num_kv_heads = k_cache.shape[-1], k_cache.shape[-2]
     shape_ok = (
         head_dim % 32 == 0
@@ -53,7 +52,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | Non
         and q.stride()[1:] == (head_dim, 1)
     )
     if k_scale is not None:
-        int8_ok = q.dtype == torch.float32 and k_cache.dtype == torch.int8
+        int8_ok = q.dtype in DTYPES and k_cache.dtype == torch.int8
         return shape_ok and int8_ok and _rows_end_in_scales(k_cache, k_scale)
     return shape_ok and q.dtype in DTYPES and k_cache.dtype == q.dtype and k_cache.is_contiguous()
 
@@ -82,13 +81,13 @@ def paged_decode(
 ) -> None:
     """out[rows] = attention of q[rows] (one token per sequence) over each sequence's
     paged context. q/out: [T, Hq, D] fp32 or bf16 with unit-stride heads; caches
-    [num_blocks, block_size, Hkv, D] contiguous in q's dtype, or (fp32 q) int8 codes with
-    their scales (k_scale/v_scale, fp32 [num_blocks, block_size, Hkv]: the views of
-    kv_quant.split_cache);
+    [num_blocks, block_size, Hkv, D] contiguous in q's dtype, or int8 codes with their
+    scales (k_scale/v_scale, fp32 [num_blocks, block_size, Hkv]: the views of
+    kv_quant.split_cache; the int8 kernel's math and q are fp32, so bf16 rows are widened
+    for it and its results rounded once);
     block_tables int32 [S, nb] contiguous; seq_lens int32 [S]; rows int64 [S]. Call only
     when `library()` is not None and `supports(q, k_cache, k_scale)`."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_q_heads = q.shape[1]
+    head_dim = k_cache.shape[-1]
     assert q.dtype == out.dtype and q.dtype in DTYPES and k_cache.dtype == v_cache.dtype
     assert q.stride()[1:] == out.stride()[1:] == (head_dim, 1) and block_tables.is_contiguous()
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
@@ -96,9 +95,20 @@ def paged_decode(
         assert k_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
         kernel = getattr(library(), f"kvray_paged_decode_{_suffix(q.dtype)}")
     else:
-        assert q.dtype == torch.float32
         assert _rows_end_in_scales(k_cache, k_scale) and _rows_end_in_scales(v_cache, v_scale)
         kernel = library().kvray_paged_decode_i8
+        if q.dtype != torch.float32:  # the int8 kernel's q, output and math are fp32
+            wide = torch.empty(q.shape, dtype=torch.float32)
+            args = (k_cache, v_cache, block_tables, seq_lens, rows, scale, sliding_window)
+            _decode(kernel, q.float(), wide, *args)
+            out.index_copy_(0, rows, wide.index_select(0, rows).to(out.dtype))
+            return
+    _decode(kernel, q, out, k_cache, v_cache, block_tables, seq_lens, rows, scale, sliding_window)
+
+
+def _decode(kernel, q, out, k_cache, v_cache, block_tables, seq_lens, rows, scale, sliding_window) -> None:
+    """One call of a kvray_paged_decode_* kernel (the signature cpu_build declares)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     kernel(
         q.data_ptr(),
         q.stride(0),
@@ -111,7 +121,7 @@ def paged_decode(
         seq_lens.data_ptr(),
         rows.data_ptr(),
         len(rows),
-        num_q_heads,
+        q.shape[1],
         num_kv_heads,
         head_dim,
         block_size,

@@ -175,9 +175,13 @@ def test_unequal_tensor_parallel_pools_reshard_heads(
         cluster.shutdown()
 
 
-def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens(local_ray, engine_args):
-    """Both pools hold int8 KV (codes and scales pulled as they are); the decode worker
-    verifies n-gram drafts. Its greedy tokens are those of an offline int8 engine.
+@pytest.mark.parametrize("connector", ["torch_dist", "object_store"])
+def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens(
+    local_ray, engine_args, connector
+):
+    """Both pools hold int8 KV (codes and scales pulled as they are, by either connector);
+    the decode worker verifies n-gram drafts. Its greedy tokens are those of an offline
+    int8 engine.
 
     One request at a time on both sides: an int8 cache turns float differences of the
     last bit (another batch's matmul path) into a code one step off, which can flip a
@@ -187,7 +191,7 @@ def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[6], PROMPTS[7]]  # a shared prefix; Fibonacci's digits
     want = [offline.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
-    cluster = _deploy(int8, decode_engine=ngram)
+    cluster = _deploy(int8, decode_engine=ngram, connector=connector)
     try:
         finals = [_run_all(cluster, [p])[0] for p in prompts]
         assert [f.outputs[0].token_ids for f in finals] == want
