@@ -249,7 +249,8 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                 sum_out[qh] *= shrink;
                 rescale(acc, d, qh, shrink);
             }
-            sum_out[qh] += exp_sum(sq, b1 - b0, max_out[qh]);
+            /* all scores -inf so far (only with infinite inputs): numerators 0, not NaN */
+            sum_out[qh] += exp_sum(sq, b1 - b0, max_out[qh] == -INFINITY ? 0.0f : max_out[qh]);
         }
         /* acc[q_h] += sum_i p[q_h][i] v_i over the block: one head slice of SLICE vectors
          * at a time, with the accumulators of its query heads in registers */

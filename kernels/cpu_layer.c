@@ -237,7 +237,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         const DecodePlan *plan = &plans[plan_of[i]];
         parts_total += plan->num_parts * plan->per_part;
         /* the merge has nothing to do where no sequence is split into spans */
-        const int64_t merges = plan->num_parts ? num_seqs : 0; /* none where no sequence is split */
+        const int64_t merges = plan->num_parts ? num_seqs : 0;
         const int64_t items[PHASES] = {rows,          panels_qkv, rows,      plan->num_items, merges,
                                        panels_hidden, rows,       panels_gu, rows,            panels_hidden};
         /* in runs of neighbours (cpu_share.h), but for attention's items: the plan orders

@@ -97,11 +97,12 @@ def paged_decode(
     else:
         assert _rows_end_in_scales(k_cache, k_scale) and _rows_end_in_scales(v_cache, v_scale)
         kernel = library().kvray_paged_decode_i8
-        if q.dtype != torch.float32:  # the int8 kernel's q, output and math are fp32
-            wide = torch.empty(q.shape, dtype=torch.float32)
-            args = (k_cache, v_cache, block_tables, seq_lens, rows, scale, sliding_window)
-            _decode(kernel, q.float(), wide, *args)
-            out.index_copy_(0, rows, wide.index_select(0, rows).to(out.dtype))
+        if q.dtype != torch.float32:  # the int8 kernel's q, out and math are fp32: the rows read, widened
+            wide = q.index_select(0, rows).float()
+            wide_out = torch.empty_like(wide)
+            args = (k_cache, v_cache, block_tables, seq_lens, torch.arange(len(rows)), scale, sliding_window)
+            _decode(kernel, wide, wide_out, *args)
+            out.index_copy_(0, rows, wide_out.to(out.dtype))
             return
     _decode(kernel, q, out, k_cache, v_cache, block_tables, seq_lens, rows, scale, sliding_window)
 

@@ -31,6 +31,29 @@ def engine_args(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory):
+    """A draft model for SmolLM2 whose proposals are almost all rejected: random weights,
+    SmolLM2's vocabulary, 2 layers of width 64."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    path = tmp_path_factory.mktemp("tiny-draft")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     from transformers import AutoModelForCausalLM
 

@@ -223,22 +223,23 @@ def offline_spec(offline_llm):
 
 
 @pytest.fixture(scope="class")  # torn down after its class: later tests deploy the same names
-def speculating(local_ray, engine_args, smollm2_path):
-    """One PD deployment whose decode pool (decode-0) speculates with n-gram, and a second
-    decode worker, `decode-draft`, with SmolLM2 as its own draft model, started beside it
-    but out of the router until a test swaps it in (`_decode_on`). Both decode engines
-    (model dtype KV) get 96 MiB so that all of SPEC_PROMPTS fit without preemption even
-    when the draft's K/V shares the blocks."""
+def speculating(local_ray, engine_args, smollm2_path, tiny_draft):
+    """One PD deployment whose decode pool (decode-0) speculates with n-gram, and two more
+    decode workers with draft models, started beside it but out of the router until a test
+    swaps one in (`_decode_on`): `decode-draft` with SmolLM2 as its own draft (drafts almost
+    all kept), `decode-tiny` with a random-weight draft (almost all rejected). The decode
+    engines (model dtype KV) get 96 MiB so that all of SPEC_PROMPTS fit without preemption
+    even when the draft's K/V shares the blocks."""
     decode = {"speculative_config": NGRAM, "kv_cache_memory_bytes": 96 << 20}
     cluster = _deploy(engine_args, decode_engine=decode)
     try:
-        draft = {"method": "draft_model", "model": str(smollm2_path), "num_speculative_tokens": 4}
-        engine = {**engine_args, **decode, "speculative_config": draft}
-        actor, pg = start_worker(
-            "decode-draft", "decode", engine, cluster.config.decode, cluster.config.kv_transfer
-        )
-        cluster.workers["decode-draft"] = ("decode", actor, pg)  # shutdown() stops it too
-        ray.get(actor.ready.remote())
+        pool = cluster.config.decode.model_copy(update={"num_cpus": 0.25})  # both fit in Ray's 2 CPUs
+        for worker_id, draft_path in (("decode-draft", smollm2_path), ("decode-tiny", tiny_draft)):
+            draft = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 4}
+            engine = {**engine_args, **decode, "speculative_config": draft}
+            actor, pg = start_worker(worker_id, "decode", engine, pool, cluster.config.kv_transfer)
+            cluster.workers[worker_id] = ("decode", actor, pg)  # shutdown() stops it too
+            ray.get(actor.ready.remote())
         yield cluster
     finally:
         cluster.shutdown()
@@ -287,6 +288,12 @@ class TestSpeculatingDecodePools:
         almost always right, and the tokens are still plain offline decoding's."""
         drafted, accepted = _assert_spec_pd_run(speculating, "decode-draft", offline_spec)
         assert drafted > 0 and accepted / drafted > 0.8
+
+    def test_a_mostly_rejected_draft_model_gives_offline_tokens(self, speculating, offline_spec):
+        """A random-weight draft: nearly every proposal is rolled back on the decode worker
+        (its slots and the draft's own K/V), and the tokens are still plain decoding's."""
+        drafted, accepted = _assert_spec_pd_run(speculating, "decode-tiny", offline_spec)
+        assert drafted > 0 and accepted / drafted < 0.2
 
 
 def test_expired_lease_recomputes_identically(local_ray, engine_args, offline):

@@ -2,7 +2,8 @@
 the rejection sampler (greedy picks by hand; sampled outputs against the target
 distribution by chi-squared), and the scheduler's draft steps and rollbacks.
 
-Chi-squared bounds: with 3 degrees of freedom P(X > 16.27) = 0.001 under the null, and
+Chi-squared bounds: with 3 degrees of freedom P(X > 16.27) = 0.001 under the null (2:
+13.82), and
 the draws are seeded, so a correct sampler fails with probability ~0.1 % per seed; a
 sampler that keeps a draft with p(d) / q(d) replaced by anything else shifts the first
 token's mass by several hundred counts out of 6000, far past the bound.
@@ -25,6 +26,7 @@ from kvray.engine.spec_decode import NgramProposer, SpecDecodeStats, Speculative
 from kvray.errors import InvalidArgumentError
 
 CHI2_3DF_999 = 16.27
+CHI2_2DF_999 = 13.82
 
 # ---- the n-gram proposer ----------------------------------------------------------------
 
@@ -134,9 +136,10 @@ def _chi2(counts: list[int], probs: list[float]) -> float:
     return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs))
 
 
-def _sampled_batch(n: int, draft_probs=None, drafts=None):
+def _sampled_batch(n: int, draft_probs=None, drafts=None, **params):
     logits = torch.tensor([P0, P1, P2]).log().repeat(n, 1)
-    batch = [row for i in range(n) for row in rows(3, f"r{i}", temperature=1.0)]
+    params = {"temperature": 1.0, **params}
+    batch = [row for i in range(n) for row in rows(3, f"r{i}", **params)]
     drafts = drafts or [[1, 3]] * n
     torch.manual_seed(0)
     return verify(Sampler(4), logits, batch, drafts, draft_probs).token_ids
@@ -165,6 +168,27 @@ def test_rejection_sampling_keeps_the_target_distribution_with_a_draft_model():
     out = _sampled_batch(n, [q] * n, drafts)
     first = [t[0] for t in out]
     assert _chi2([first.count(v) for v in range(4)], P0) < CHI2_3DF_999
+
+
+def _tempered_top3(p: list[float], temperature: float) -> list[float]:
+    """p at a temperature (p ** (1 / T), renormalised), its smallest entry cut (top_k=3)."""
+    w = [x ** (1 / temperature) for x in p]
+    w[w.index(min(w))] = 0.0
+    return [x / sum(w) for x in w]
+
+
+def test_rejection_sampling_keeps_the_processed_distribution_at_a_temperature_and_top_k():
+    """At temperature 0.5 with top_k=3 the tokens follow the processed target: P0 squared,
+    its least likely token never drawn (a draft of it, 3, is always rejected)."""
+    out = _sampled_batch(6000, temperature=0.5, top_k=3)
+    first = [t[0] for t in out]
+    expect = _tempered_top3(P0, 0.5)
+    assert first.count(3) == 0
+    assert _chi2([first.count(v) for v in range(3)], expect[:3]) < CHI2_2DF_999
+    second = [t[1] for t in out if t[0] == 1]  # draft 1 kept: the token after it follows P1 processed
+    expect = _tempered_top3(P1, 0.5)
+    assert second.count(0) == 0
+    assert _chi2([second.count(v) for v in range(1, 4)], expect[1:]) < CHI2_2DF_999
 
 
 def test_sampled_draft_acceptance_rate_is_the_target_probability():

@@ -7,7 +7,6 @@ the target's blocks, so after aborts and preemptions nothing is left used.
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import assert_no_leaks
 
 from kvray.engine import LLM, SamplingParams
@@ -27,28 +26,6 @@ PROMPTS = [
 ]
 ARGS = dict(dtype="float32", max_model_len=384, max_num_batched_tokens=64, kv_cache_memory_bytes=96 << 20)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory):
-    """Random weights, SmolLM2's vocabulary, 2 layers of width 64."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    path = tmp_path_factory.mktemp("tiny-draft")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
