@@ -24,9 +24,9 @@ CACHES = ("auto", "int8")
 def kernel_ms(
     kv_cache_dtype: str, model_dtype: torch.dtype, seqs: int = 16, context: int = 1000, reps: int = 20
 ) -> float:
-    """Milliseconds of one layer's native decode attention (SmolLM2's heads): an "auto"
-    cache holds the model's dtype (bf16 where `dtype=auto` chose it); the int8 kernel
-    takes fp32 queries."""
+    """Milliseconds of one layer's native decode attention (SmolLM2's heads), queries in
+    the model's dtype: an "auto" cache holds that dtype too (bf16 where `dtype=auto` chose
+    it), an int8 one codes and scales."""
     from kvray.kernels import cpu_native
     from kvray.kernels.kv_quant import QUANTS, quantize, split_cache
 
@@ -34,16 +34,16 @@ def kernel_ms(
     blocks_per_seq = -(-context // block)
     num_blocks = seqs * blocks_per_seq
     values = torch.randn(2, num_blocks, block, kv_heads, head_dim)
-    scales, q_dtype = (None, None), torch.float32
+    scales = (None, None)
     if kv_cache_dtype == "auto":
-        k, v, q_dtype = values[0].to(model_dtype), values[1].to(model_dtype), model_dtype
+        k, v = values[0].to(model_dtype), values[1].to(model_dtype)
     else:
         storage = torch.zeros(2, num_blocks, block, kv_heads, head_dim + 4, dtype=torch.int8)
         (k, ks), (v, vs) = (split_cache(storage[i], QUANTS[kv_cache_dtype]) for i in range(2))
         for codes, sc, x in ((k, ks, values[0]), (v, vs, values[1])):
             codes[:], sc[:] = quantize(x, QUANTS[kv_cache_dtype])
         scales = (ks, vs)
-    q = torch.randn(seqs, heads, head_dim).to(q_dtype)
+    q = torch.randn(seqs, heads, head_dim).to(model_dtype)
     out = torch.empty_like(q)
     tables = torch.randperm(num_blocks).view(seqs, blocks_per_seq).to(torch.int32).contiguous()
     lens = torch.full((seqs,), context, dtype=torch.int32)

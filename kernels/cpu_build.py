@@ -98,7 +98,8 @@ def library() -> ctypes.CDLL | None:
     # q, its stride, out, its stride, k and v caches, block tables, their stride, seq_lens,
     # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, threads
     decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]
-    for fn in (lib.kvray_paged_decode_f32, lib.kvray_paged_decode_i8, lib.kvray_paged_decode_bf16):
+    decoders = ("f32", "i8", "bf16", "i8_bf16")
+    for fn in (getattr(lib, f"kvray_paged_decode_{name}") for name in decoders):
         fn.restype, fn.argtypes = None, decode_args
     # layers, their count, shape, x, rows, cos, sin, slots, block tables, their stride,
     # seq_lens, q rows, num_seqs, threads

@@ -107,13 +107,72 @@ static inline void store_scores(float *dst, v8 sc, int rows) {
     }
 }
 
-/* Where the CPU has AVX512-BF16 a bf16 cache takes two shortcuts in attend_span, same
- * outputs: the scores take each query head's dot with 8 key rows by `vdpbf16ps` straight from
- * the cache (32 bf16 of q and k a multiply, the pairs' products summed in fp32; the query
- * is bf16 already, so its fp32 copy narrows back exactly); the weighted sum of the value rows
- * widens them to fp32 in 16-float vectors. About 2x fewer instructions than the 8-float loops. */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* Where the CPU has AVX-512, the fp32 and int8 scores and every cache's weighted value sums
+ * run in 16-float vectors (the portable loops' are 8): about half the instructions, which
+ * an int8 cache needs (its rows are widened before any math; half the bytes of bf16 leave
+ * the kernel bound by instructions, not by memory). Each output element's value sum is the
+ * same, lane by lane; a score's dot product adds its 16-float partial sums in another order. */
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define FAST_X16 1
+
+/* [sum of a[0], ..., sum of a[7]] */
+static inline __attribute__((always_inline)) v8 sums8_x16(const __m512 a[8]) {
+    v8 halves[8];
+    for (int r = 0; r < 8; r++)
+        halves[r] = (v8)_mm256_add_ps(_mm512_castps512_ps256(a[r]),
+                                      _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(a[r]), 1)));
+    return sums8(halves);
+}
+
+/* [q . k_0, ..., q . k_7] for a query head q and 8 key rows, all d floats */
+static inline __attribute__((always_inline)) v8 dots8_x16(const float *q, const float *const k[8], int32_t d) {
+    __m512 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+    for (int32_t x = 0; x < d; x += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + x);
+        for (int r = 0; r < 8; r++) a[r] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[r] + x), a[r]);
+    }
+    return sums8_x16(a);
+}
+
+/* 16 values of a cache row from element x, as fp32 (int8: the codes, before their scale) */
+static inline __attribute__((always_inline)) __m512 load16_row(const char *row, int32_t x, const int quant) {
+    if (quant == INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + x))));
+    if (quant == BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)row + x))), 16));
+    return _mm512_loadu_ps((const float *)row + x);
+}
+
+/* acc[g][0:32] (+)= sum_t p[g][t] s_t v_t[0:32] for a KV head's `group` query heads (acc
+ * rows head_dim apart, p rows n apart) over `rows` value rows token_stride bytes apart,
+ * starting at element x0 (s_t: an int8 row's scale, else 1) */
+static inline __attribute__((always_inline)) void add_values32(float *acc, int32_t d, const char *v, int32_t x0,
+                                                               int64_t token_stride, int64_t rows, const float *p,
+                                                               int64_t n, const int group, int fresh, const int quant) {
+    __m512 a[8][2];
+    for (int g = 0; g < group; g++)
+        for (int s = 0; s < 2; s++) a[g][s] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + g * d + 16 * s);
+    for (int64_t t = 0; t < rows; t++) {
+        const char *row = v + t * token_stride;
+        const float vs = quant == INT8 ? row_scale(row, d) : 1.0f;
+        const __m512 vv[2] = {load16_row(row, x0, quant), load16_row(row, x0 + 16, quant)};
+        for (int g = 0; g < group; g++) {
+            const __m512 pg = _mm512_set1_ps(p[g * n + t] * vs);
+            for (int s = 0; s < 2; s++) a[g][s] = _mm512_fmadd_ps(pg, vv[s], a[g][s]);
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int s = 0; s < 2; s++) _mm512_storeu_ps(acc + g * d + 16 * s, a[g][s]);
+}
+#endif
+
+/* Where the CPU has AVX512-BF16 too, a bf16 cache's scores take each query head's dot with
+ * 8 key rows by `vdpbf16ps` straight from the cache (32 bf16 of q and k a multiply, the
+ * pairs' products summed in fp32; the query is bf16 already, so its fp32 copy narrows back
+ * exactly): the same outputs, about 2x fewer instructions than widening the rows. */
+#if defined(__AVX512BF16__) && defined(FAST_X16)
 #define FAST_BF16 1
 
 /* [q . k_0, ..., q . k_7] for q as d/32 vectors of bf16 pairs and 8 bf16 key rows */
@@ -122,36 +181,9 @@ static inline __attribute__((always_inline)) v8 dots8_bf16(const __m512bh *q, co
     for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
     for (int32_t x = 0; x < chunks; x++)
         for (int r = 0; r < 8; r++) a[r] = _mm512_dpbf16_ps(a[r], q[x], (__m512bh)_mm512_loadu_si512(k[r] + 32 * x));
-    v8 halves[8];
-    for (int r = 0; r < 8; r++)
-        halves[r] = (v8)_mm256_add_ps(_mm512_castps512_ps256(a[r]),
-                                      _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(a[r]), 1)));
-    return sums8(halves);
+    return sums8_x16(a);
 }
 
-/* acc[g][0:32] (+)= sum_t p[g][t] v_t[0:32] for a KV head's `group` query heads (acc rows
- * head_dim apart, p rows n apart) over `rows` bf16 value rows token_stride bytes apart */
-static inline __attribute__((always_inline)) void add_values32_bf16(float *acc, int32_t d, const char *v,
-                                                                    int64_t token_stride, int64_t rows,
-                                                                    const float *p, int64_t n, const int group,
-                                                                    int fresh) {
-    __m512 a[8][2];
-    for (int g = 0; g < group; g++)
-        for (int s = 0; s < 2; s++) a[g][s] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + g * d + 16 * s);
-    for (int64_t t = 0; t < rows; t++) {
-        const bf16 *row = (const bf16 *)(v + t * token_stride);
-        __m512 vv[2];
-        for (int s = 0; s < 2; s++)
-            vv[s] = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * s))), 16));
-        for (int g = 0; g < group; g++) {
-            const __m512 pg = _mm512_set1_ps(p[g * n + t]);
-            for (int s = 0; s < 2; s++) a[g][s] = _mm512_fmadd_ps(pg, vv[s], a[g][s]);
-        }
-    }
-    for (int g = 0; g < group; g++)
-        for (int s = 0; s < 2; s++) _mm512_storeu_ps(acc + g * d + 16 * s, a[g][s]);
-}
 #endif
 
 /* acc[qh][:] *= f (query heads' rows head_dim apart) */
@@ -219,13 +251,22 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                     } else if (quant == F32) {
                         k[r] = (const float *)kp;
                     } else {
+#ifdef FAST_X16
+                        for (int32_t x = 0; x < d; x += 16) _mm512_storeu_ps(widened + r * d + x, load16_row(kp, x, quant));
+#else
                         for (int32_t x = 0; x < d; x += 8) store8(widened + r * d + x, load_row8(kp, x, quant));
+#endif
                         k[r] = widened + r * d;
                         if (quant == INT8) row_scales[r] = row_scale(kp, d);
                     }
                 }
                 for (int g = 0; g < group; g++) {
                     const float *qg = qs + ((int64_t)h * group + g) * d;
+#ifdef FAST_X16
+                    store_scores(scores + (h * group + g) * n + (t0 - start),
+                                 dots8_x16(qg, k, d) * row_scales * c->scale, rows);
+                    continue;
+#endif
                     v8 a[8] = {0};
                     for (int32_t x = 0; x < d; x += 8) {
                         const v8 qv = load8(qg + x);
@@ -259,14 +300,11 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                 const int64_t width = quant == BF16 ? sizeof(bf16) : quant == INT8 ? 1 : sizeof(float);
                 prefetch_next(next_values, c, b0 - first, b1 - first, h, x0 * width,
                               x0 + 8 * SLICE < d ? (x0 + 8 * SLICE) * width : c->head_stride);
-#ifdef FAST_BF16
-                if (quant == BF16) {
-                    add_values32_bf16(acc + h * group * d + x0, d,
-                                      values + (b0 - first) * c->token_stride + h * c->head_stride + x0 * sizeof(bf16),
-                                      c->token_stride, b1 - b0, scores + h * group * n + (b0 - start), n, group,
-                                      b0 == start);
-                    continue;
-                }
+#ifdef FAST_X16
+                add_values32(acc + h * group * d + x0, d, values + (b0 - first) * c->token_stride + h * c->head_stride,
+                             x0, c->token_stride, b1 - b0, scores + h * group * n + (b0 - start), n, group, b0 == start,
+                             quant);
+                continue;
 #endif
                 v8 a[8][SLICE];
                 for (int g = 0; g < group; g++)
@@ -319,7 +357,7 @@ static void attend_item(const Cache *c, const float *qs, const int32_t *table, c
 static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const Cache cache,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                          const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
-                         int32_t num_threads, int quant);
+                         int32_t num_threads, int quant, int bf16_io);
 
 void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride,
                             const float *k_cache, const float *v_cache, const int32_t *block_tables,
@@ -330,20 +368,39 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
     const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
                          num_kv_heads, head_dim, block_size, scale};
     paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
-                 num_q_heads, window, num_threads, F32);
+                 num_q_heads, window, num_threads, F32, 0);
 }
 
 /* the same over an 8-bit cache: rows of head_dim int8 codes and their fp32 scale */
+static void paged_decode_i8(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                            const signed char *k_cache, const signed char *v_cache, const int32_t *block_tables,
+                            int64_t table_stride, const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs,
+                            int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                            float scale, int32_t window, int32_t num_threads, int bf16_io) {
+    const int64_t row = head_dim + (int64_t)sizeof(float), token = num_kv_heads * row;
+    const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
+                         num_kv_heads, head_dim, block_size, scale};
+    paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
+                 num_q_heads, window, num_threads, INT8, bf16_io);
+}
+
 void kvray_paged_decode_i8(const float *q, int64_t q_stride, float *out, int64_t out_stride,
                            const signed char *k_cache, const signed char *v_cache, const int32_t *block_tables,
                            int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
                            int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
                            int32_t block_size, float scale, int32_t window, int32_t num_threads) {
-    const int64_t row = head_dim + (int64_t)sizeof(float), token = num_kv_heads * row;
-    const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
-                         num_kv_heads, head_dim, block_size, scale};
-    paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
-                 num_q_heads, window, num_threads, INT8);
+    paged_decode_i8(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, rows,
+                    num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads, 0);
+}
+
+/* an 8-bit cache under a bf16 model: q and out bf16 (q widened once per item, out rounded once) */
+void kvray_paged_decode_i8_bf16(const bf16 *q, int64_t q_stride, bf16 *out, int64_t out_stride,
+                                const signed char *k_cache, const signed char *v_cache, const int32_t *block_tables,
+                                int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
+                                int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                                int32_t block_size, float scale, int32_t window, int32_t num_threads) {
+    paged_decode_i8(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, rows,
+                    num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads, 1);
 }
 
 /* out row r = values * inv, as floats, or rounded to bf16 where q and out are bf16 */
@@ -367,7 +424,7 @@ void kvray_paged_decode_bf16(const bf16 *q, int64_t q_stride, bf16 *out, int64_t
     const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
                          num_kv_heads, head_dim, block_size, scale};
     paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
-                 num_q_heads, window, num_threads, BF16);
+                 num_q_heads, window, num_threads, BF16, 1);
 }
 
 DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads,
@@ -429,7 +486,7 @@ void kvray_decode_scratch_free(DecodeScratch *scratch) {
 void kvray_decode_item(const DecodeArgs *a, DecodeScratch *scratch, int64_t i) {
     const DecodePlan *plan = a->plan;
     const Cache *cache = a->cache;
-    const int bf16_io = a->quant == BF16;
+    const int bf16_io = a->bf16_io;
     const int32_t head_dim = cache->head_dim, num_q_heads = a->num_q_heads;
     const int group = num_q_heads / cache->num_kv_heads;
     float *scores = scratch->scores, *own = scratch->own, *q_f32 = scratch->q_f32;
@@ -462,7 +519,7 @@ void kvray_decode_item(const DecodeArgs *a, DecodeScratch *scratch, int64_t i) {
 void kvray_decode_merge(const DecodeArgs *a, DecodeScratch *scratch, int64_t seq) {
     const DecodePlan *plan = a->plan;
     if (plan->first_part[seq] < 0) return;
-    const int bf16_io = a->quant == BF16;
+    const int bf16_io = a->bf16_io;
     const int32_t head_dim = a->cache->head_dim, num_q_heads = a->num_q_heads;
     const int64_t per_part = plan->per_part, pieces = num_spans(a->seq_lens[seq], plan->window, plan->span);
     float *os = scratch->own; /* one head's merged sums */
@@ -487,14 +544,15 @@ void kvray_decode_merge(const DecodeArgs *a, DecodeScratch *scratch, int64_t seq
 static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const Cache cache,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                          const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
-                         int32_t num_threads, int quant) {
+                         int32_t num_threads, int quant, int bf16_io) {
     DecodePlan plan = kvray_decode_plan(seq_lens, num_seqs, num_q_heads, cache.num_kv_heads, cache.head_dim,
                                         cache.block_size, window, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         DecodeScratch scratch = kvray_decode_scratch(num_q_heads, cache.head_dim, cache.block_size);
         const DecodeArgs args = {&plan,    plan.parts,   q,        q_stride, out,      out_stride, &cache,
-                                 block_tables, table_stride, seq_lens, rows,     num_seqs, num_q_heads, quant};
+                                 block_tables, table_stride, seq_lens, rows,     num_seqs, num_q_heads, quant,
+                                 bf16_io};
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < plan.num_items; i++) kvray_decode_item(&args, &scratch, i);
 #pragma omp for schedule(static)

@@ -55,7 +55,8 @@ typedef struct {
     const int32_t *seq_lens;
     const int64_t *rows;
     int32_t num_seqs, num_q_heads;
-    int quant;
+    int quant;   /* the cache's rows: F32, BF16 or INT8 */
+    int bf16_io; /* q and out bf16 (the math fp32), else fp32 */
 } DecodeArgs;
 void kvray_decode_item(const DecodeArgs *a, DecodeScratch *scratch, int64_t i);
 void kvray_decode_merge(const DecodeArgs *a, DecodeScratch *scratch, int64_t seq);

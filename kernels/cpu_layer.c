@@ -48,6 +48,7 @@ typedef struct { /* one layer's tensors (the model's dtype), as cpu_native.Decod
 
 typedef struct {
     int32_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int32_t kv_int8; /* the caches hold int8 codes, each row's fp32 scale after them (kernels/kv_quant.py) */
     float eps, scale;
 } DecodeShape;
 
@@ -146,6 +147,35 @@ typedef struct {
     const int64_t *slots;
 } RopePhase;
 
+/* One KV head's row of d values (bf16 or fp32) as int8 codes and their fp32 scale, as
+ * kv_quant.quantize does it: scale = max |x| / 127 (0 for a zero row, its codes 0), codes
+ * x / scale rounded half away from zero; the same fp32 operations, so the same bits. */
+static void quantize_row(const void *src, int bf16_io, int64_t d, signed char *dst) {
+    float x[d], amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) {
+        x[i] = bf16_io ? bf16_to_f32(((const bf16 *)src)[i]) : ((const float *)src)[i];
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    }
+    const float scale = amax / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
+    for (int64_t i = 0; i < d; i++) {
+        const float y = x[i] / safe, code = floorf(fabsf(y) + 0.5f);
+        dst[i] = (signed char)(y < 0.0f ? -fminf(code, 127.0f) : fminf(code, 127.0f));
+    }
+    memcpy(dst + d, &scale, sizeof(scale));
+}
+
+/* a token's K or V (kv_heads rows of d values) into its cache slot, as the cache holds them */
+static void cache_write(void *cache, int64_t slot, const char *src, const DecodeShape *sh, int bf16_io) {
+    const int64_t d = sh->head_dim, size = bf16_io ? 2 : 4, kv_width = sh->num_kv_heads * d;
+    if (!sh->kv_int8) {
+        memcpy((char *)cache + slot * kv_width * size, src, kv_width * size);
+        return;
+    }
+    const int64_t row = d + (int64_t)sizeof(float);
+    for (int32_t h = 0; h < sh->num_kv_heads; h++)
+        quantize_row(src + h * d * size, bf16_io, d, (signed char *)cache + (slot * sh->num_kv_heads + h) * row);
+}
+
 static void rope_item(const void *phase, void *scratch, int64_t r) {
     const RopePhase *c = phase;
     const DecodeShape *sh = c->sh;
@@ -158,8 +188,8 @@ static void rope_item(const void *phase, void *scratch, int64_t r) {
         kvray_rotary_row_bf16((const bf16 *)row, (bf16 *)qk, heads, d, c->cos + r * half, c->sin + r * half);
     else
         kvray_rotary_row_f32((const float *)row, (float *)qk, heads, d, c->cos + r * half, c->sin + r * half);
-    memcpy((char *)c->l->k_cache + c->slots[r] * kv_width * size, qk + q_width * size, kv_width * size);
-    memcpy((char *)c->l->v_cache + c->slots[r] * kv_width * size, row + (q_width + kv_width) * size, kv_width * size);
+    cache_write(c->l->k_cache, c->slots[r], qk + q_width * size, sh, c->bf16_io);
+    cache_write(c->l->v_cache, c->slots[r], row + (q_width + kv_width) * size, sh, c->bf16_io);
 }
 
 /* a = silu(g) * u for gu = [g | u] rows; in bf16 silu(g) is rounded before the product, as
@@ -266,7 +296,8 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         bufs[i].parts = part_at;
         part_at += plan->num_parts * plan->per_part;
     }
-    const int64_t row = d * size, token = sh->num_kv_heads * row;
+    const int64_t row = sh->kv_int8 ? d + (int64_t)sizeof(float) : d * size, token = sh->num_kv_heads * row;
+    const int quant = sh->kv_int8 ? INT8 : bf16_io ? BF16 : F32;
 #pragma omp parallel num_threads(num_threads)
     {
         DecodeScratch scratch = kvray_decode_scratch(sh->num_q_heads, sh->head_dim, sh->block_size);
@@ -287,7 +318,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             share_run(&s[2], rope_item, &rope, &scratch);
             const DecodeArgs attend = {plan,   b->parts,     b->qk,    qk_width, b->attn,  q_width,
                                        &cache, block_tables, table_stride, seq_lens, q_rows, num_seqs,
-                                       sh->num_q_heads, bf16_io ? BF16 : F32};
+                                       sh->num_q_heads, quant, bf16_io};
             share_run(&s[3], attend_item, &attend, &scratch);
             share_run(&s[4], merge_item, &attend, &scratch);
             const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width};

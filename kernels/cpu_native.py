@@ -53,11 +53,11 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | Non
     )
     if k_scale is not None:
         int8_ok = q.dtype in DTYPES and k_cache.dtype == torch.int8
-        return shape_ok and int8_ok and _rows_end_in_scales(k_cache, k_scale)
+        return shape_ok and int8_ok and rows_end_in_scales(k_cache, k_scale)
     return shape_ok and q.dtype in DTYPES and k_cache.dtype == q.dtype and k_cache.is_contiguous()
 
 
-def _rows_end_in_scales(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+def rows_end_in_scales(codes: torch.Tensor, scales: torch.Tensor) -> bool:
     num_blocks, block_size, num_kv_heads, head_dim = codes.shape
     row = head_dim + 4
     return (
@@ -83,8 +83,8 @@ def paged_decode(
     paged context. q/out: [T, Hq, D] fp32 or bf16 with unit-stride heads; caches
     [num_blocks, block_size, Hkv, D] contiguous in q's dtype, or int8 codes with their
     scales (k_scale/v_scale, fp32 [num_blocks, block_size, Hkv]: the views of
-    kv_quant.split_cache; the int8 kernel's math and q are fp32, so bf16 rows are widened
-    for it and its results rounded once);
+    kv_quant.split_cache; the math is fp32: bf16 q rows are widened once, outputs rounded
+    once);
     block_tables int32 [S, nb] contiguous; seq_lens int32 [S]; rows int64 [S]. Call only
     when `library()` is not None and `supports(q, k_cache, k_scale)`."""
     head_dim = k_cache.shape[-1]
@@ -95,15 +95,8 @@ def paged_decode(
         assert k_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
         kernel = getattr(library(), f"kvray_paged_decode_{_suffix(q.dtype)}")
     else:
-        assert _rows_end_in_scales(k_cache, k_scale) and _rows_end_in_scales(v_cache, v_scale)
-        kernel = library().kvray_paged_decode_i8
-        if q.dtype != torch.float32:  # the int8 kernel's q, out and math are fp32: the rows read, widened
-            wide = q.index_select(0, rows).float()
-            wide_out = torch.empty_like(wide)
-            args = (k_cache, v_cache, block_tables, seq_lens, torch.arange(len(rows)), scale, sliding_window)
-            _decode(kernel, wide, wide_out, *args)
-            out.index_copy_(0, rows, wide_out.to(out.dtype))
-            return
+        assert rows_end_in_scales(k_cache, k_scale) and rows_end_in_scales(v_cache, v_scale)
+        kernel = getattr(library(), "kvray_paged_decode_i8" + ("_bf16" if q.dtype == torch.bfloat16 else ""))
     _decode(kernel, q, out, k_cache, v_cache, block_tables, seq_lens, rows, scale, sliding_window)
 
 
@@ -319,8 +312,10 @@ class DecodeLayer(ctypes.Structure):
 class DecodeShape(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int32)
-        for name in ("hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size")
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        for name in (
+            "hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "kv_int8",
+        )
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
 
 
 def decode_layers(

@@ -10,7 +10,8 @@ attention kernels).
 A step qualifies when every row is a decode row (the torch attention backend's plan has
 no prompt chunk), there are at most `cpu_native.LINEAR_ROWS` of them, and the model
 qualifies: fp32 or bf16 on a CPU, no tensor parallelism, every linear in the native
-panels, a KV cache in the model's dtype (not 8-bit) with heads the decode kernel takes.
+panels, a KV cache in the model's dtype or int8 (`kv_cache_dtype="int8"`: the new K/V
+quantized as kv_quant.quantize does it, bit for bit) with heads the decode kernel takes.
 `KVRAY_FUSED_DECODE=0` turns it off (the modules then run as before).
 """
 
@@ -43,6 +44,7 @@ class NativeDecode:
             head_dim=attn.head_dim,
             intermediate=len(first.mlp.down_proj.in_cols),
             block_size=kv_caches[0].k.shape[1],
+            kv_int8=kv_caches[0].k_scale is not None,
             eps=first.input_layernorm.eps,
             scale=attn.scale,
         )
@@ -77,9 +79,9 @@ class NativeDecode:
             biases = [lin.bias for lin in linears if lin.bias is not None]
             if any(b.dtype != dtype or not b.is_contiguous() for b in biases):
                 return False
-            if any(w.dtype != dtype for w in norms) or kv.k_scale is not None:
+            if any(w.dtype != dtype for w in norms):
                 return False
-            if any(c.dtype != dtype or not c.is_contiguous() for c in (kv.k, kv.v)):
+            if not _cache_qualifies(kv, dtype, unquantized=kv_caches[0].k_scale is None):
                 return False
             if a.head_dim % 32 or a.num_heads % a.num_kv_heads or a.num_heads // a.num_kv_heads > 8:
                 return False
@@ -104,6 +106,17 @@ class NativeDecode:
             rows.seq_lens,
             rows.rows,
         )
+
+
+def _cache_qualifies(kv, dtype: torch.dtype, unquantized: bool) -> bool:
+    """A layer's caches: contiguous in the model's dtype, or int8 codes whose rows end in
+    their scales (kv_quant.split_cache's views), alike in every layer."""
+    if unquantized:
+        return kv.k_scale is None and all(c.dtype == dtype and c.is_contiguous() for c in (kv.k, kv.v))
+    return kv.k_scale is not None and all(
+        codes.dtype == torch.int8 and cpu_native.rows_end_in_scales(codes, scales)
+        for codes, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale))
+    )
 
 
 def for_model(model, kv_caches) -> NativeDecode | None:

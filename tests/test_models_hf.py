@@ -66,12 +66,13 @@ def _arch(config) -> str:
 
 
 def _kvray_logits(
-    model, config, ids: list[int], prefill_chunks: list[int], block_size=4, dtype=torch.float32
+    model, config, ids: list[int], prefill_chunks: list[int], block_size=4, dtype=torch.float32, caches=None
 ):
-    """Logits at every position: prompt prefilled in the given chunks, the rest decoded."""
+    """Logits at every position: prompt prefilled in the given chunks, the rest decoded
+    (into `caches` where given: 64 blocks of `block_size` a layer)."""
     head_dim = config.hidden_size // config.num_attention_heads
     num_blocks = 64
-    caches = [
+    caches = caches or [
         LayerKV(
             torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim, dtype=dtype),
             torch.zeros(num_blocks, block_size, config.num_key_value_heads, head_dim, dtype=dtype),

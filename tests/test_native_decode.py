@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from kvray.engine import LLM, SamplingParams
 from kvray.engine.dtype import cpu_has_native_bf16
 from kvray.kernels import cpu_native
+from kvray.kernels.backend import LayerKV
+from kvray.kernels.kv_quant import QUANTS, SCALE_BYTES, split_cache
 from kvray.models import native_decode
 from kvray.models.cpu_linear import pack_model
 from kvray.models.loader import build_model, load_config
@@ -118,6 +120,49 @@ def test_fused_bf16_rows_do_not_depend_on_the_step_around_them(saved_model, monk
     short = _kvray_logits(_model(path, torch.bfloat16), config, ids, [18, 18, 5, 9, 2], dtype=torch.bfloat16)
     assert ran == [0, 0, 5, 9, 2], name  # the short chunks ran fused, several rows a step
     assert torch.equal(single, short), name
+
+
+INT8 = QUANTS["int8"]
+
+
+def _int8_caches(config, block_size=4, num_blocks=64):
+    """Empty int8 caches (kv_quant's rows: codes, then the fp32 scale) and the layers' views."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    shape = (num_blocks, block_size, config.num_key_value_heads, head_dim + SCALE_BYTES)
+    tensors = [(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)) for _ in range(2)]
+    views = []
+    for k, v in tensors:
+        (k_codes, k_scales), (v_codes, v_scales) = split_cache(k, INT8), split_cache(v, INT8)
+        views.append(LayerKV(k_codes, v_codes, k_scales, v_scales))
+    return tensors, views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_with_an_int8_cache_matches_the_modules(saved_model, monkeypatch, dtype):
+    """An int8 KV cache (kv_cache_dtype="int8"): the fused layers quantize each new K and V
+    row as kv_quant.quantize does, to the same codes and scales as the modules write, and
+    attend over them alike. The first layer's caches end bitwise the same; in bf16 (where
+    the fused layers round as the modules do) every layer's and the logits too; in fp32 the
+    layers' sums differ by an ulp or so, enough to move a code past a rounding boundary
+    later on, and the logits agree as closely as without quantization."""
+    name, path, _ = saved_model
+    ids = torch.randint(0, 256, (52,), generator=torch.Generator().manual_seed(5)).tolist()
+    config = load_config(path)
+    ran = _count_fused(monkeypatch)
+    fused_caches, views = _int8_caches(config)
+    fused = _kvray_logits(_model(path, dtype), config, ids, [18, 18], dtype=dtype, caches=views)
+    assert ran == [0, 0] + [1] * 16, name
+    monkeypatch.setattr(native_decode, "for_model", lambda *a: None)
+    module_caches, views = _int8_caches(config)
+    modules = _kvray_logits(_model(path, dtype), config, ids, [18, 18], dtype=dtype, caches=views)
+    exact_layers = fused_caches if dtype == torch.bfloat16 else fused_caches[:1]
+    for (fk, fv), (mk, mv) in zip(exact_layers, module_caches):
+        assert torch.equal(fk, mk) and torch.equal(fv, mv), name
+        assert fk[:, :, :, -SCALE_BYTES:].abs().sum() > 0, name  # scales were written
+    if dtype == torch.bfloat16:
+        assert torch.equal(fused, modules), name
+    else:
+        assert ((fused - modules).abs().max() / modules.abs().max()).item() < 1e-5, name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
