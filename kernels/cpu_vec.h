@@ -94,27 +94,35 @@ static inline v8 sums8(const v8 a[8]) {
 
 typedef int v8i __attribute__((vector_size(32)));
 
-/* exp of 8 floats at once (Cephes' expf: 2^n times a degree-6 polynomial on the reduced
- * argument; about 1 ulp), for arguments <= 0 as a softmax has; below -87 it gives ~0. */
-static inline v8 exp8(v8 x) {
-    const v8 floor_at = (v8){0} - 87.0f;
-    const v8i low = x < floor_at;
-    x = (v8)(((v8i)x & ~low) | ((v8i)floor_at & low));
-    const v8 fx = x * 1.44269504088896341f + 0.5f;
-    v8i ni = __builtin_convertvector(fx, v8i); /* toward zero: one too high for fx < 0 */
-    v8 n = __builtin_convertvector(ni, v8);
-    const v8i over = n > fx;
-    ni += over;
-    n += __builtin_convertvector(over, v8);
-    const v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    v8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    return y * (v8)((ni + 127) << 23);
-}
+/* exp of a vector of floats (Cephes' expf: 2^n times a degree-6 polynomial on the reduced
+ * argument; about 1 ulp), for arguments <= 0 as a softmax has; below -87 it gives ~0. The
+ * same operations lane by lane at either width: exp8, and exp16 where AVX-512 has it. */
+#define KVRAY_EXP(NAME, VF, VI)                                                   \
+    static inline VF NAME(VF x) {                                                \
+        const VF floor_at = (VF){0} - 87.0f;                                     \
+        const VI low = x < floor_at;                                             \
+        x = (VF)(((VI)x & ~low) | ((VI)floor_at & low));                         \
+        const VF fx = x * 1.44269504088896341f + 0.5f;                           \
+        VI ni = __builtin_convertvector(fx, VI); /* toward zero: one too high for fx < 0 */ \
+        VF n = __builtin_convertvector(ni, VF);                                  \
+        const VI over = n > fx;                                                  \
+        ni += over;                                                              \
+        n += __builtin_convertvector(over, VF);                                  \
+        const VF r = x - n * 0.693359375f - n * -2.12194440e-4f;                 \
+        VF y = r * 1.9875691500e-4f + 1.3981999507e-3f;                          \
+        y = y * r + 8.3334519073e-3f;                                            \
+        y = y * r + 4.1665795894e-2f;                                            \
+        y = y * r + 1.6666665459e-1f;                                            \
+        y = y * r + 5.0000001201e-1f;                                            \
+        y = y * (r * r) + r + 1.0f;                                              \
+        return y * (VF)((ni + 127) << 23);                                       \
+    }
+KVRAY_EXP(exp8, v8, v8i)
+#ifdef __AVX512F__
+typedef float v16 __attribute__((vector_size(64)));
+typedef int v16i __attribute__((vector_size(64)));
+KVRAY_EXP(exp16, v16, v16i)
+#endif
 
 /* silu(x) = x * sigmoid(x), with exp8 of -|x| only (sigmoid(x) = 1 / (1 + e) for x >= 0,
  * e / (1 + e) below, e = exp(-|x|)) */
@@ -130,13 +138,21 @@ static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* the largest of sq[0:n], n >= 1 */
+/* the largest of sq[0:n], n >= 1: 16 (AVX-512) or 8 running maxima, then across them (a
+ * scalar chain waits ~3 cycles an element) */
 static inline float max_of(const float *sq, int64_t n) {
     float m = sq[0];
     int64_t i = 0;
-    if (n >= 8) { /* 8 running maxima (a scalar chain waits ~3 cycles an element) */
-        v8 ms = load8(sq);
-        for (i = 8; i + 8 <= n; i += 8) {
+#ifdef __AVX512F__
+    if (n >= 16) {
+        __m512 ms = _mm512_loadu_ps(sq);
+        for (i = 16; i + 16 <= n; i += 16) ms = _mm512_max_ps(ms, _mm512_loadu_ps(sq + i));
+        m = _mm512_reduce_max_ps(ms);
+    }
+#endif
+    if (n - i >= 8) {
+        v8 ms = load8(sq + i);
+        for (i += 8; i + 8 <= n; i += 8) {
             const v8 x = load8(sq + i);
             const v8i above = x > ms;
             ms = (v8)(((v8i)x & above) | ((v8i)ms & ~above));
@@ -149,14 +165,28 @@ static inline float max_of(const float *sq, int64_t n) {
 
 /* sq[i] = exp(sq[i] - m) for i < n; returns their sum */
 static inline float exp_sum(float *sq, int64_t n, float m) {
-    v8 total = {0};
+    float sum = 0.0f;
     int64_t i = 0;
+#ifdef __AVX512F__
+    if (n >= 16) {
+        v16 total = {0};
+        for (; i + 16 <= n; i += 16) {
+            v16 e;
+            memcpy(&e, sq + i, sizeof(e));
+            e = exp16(e - m);
+            memcpy(sq + i, &e, sizeof(e));
+            total += e;
+        }
+        sum = _mm512_reduce_add_ps((__m512)total);
+    }
+#endif
+    v8 total = {0};
     for (; i + 8 <= n; i += 8) {
         const v8 e = exp8(load8(sq + i) - m);
         store8(sq + i, e);
         total += e;
     }
-    float sum = sum8(total);
+    sum += sum8(total);
     for (; i < n; i++) {
         sq[i] = expf(sq[i] - m);
         sum += sq[i];
