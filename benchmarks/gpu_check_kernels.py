@@ -206,10 +206,34 @@ def bench_prefill(plan: Plan, timer: Timer) -> tuple[list[str], bool]:
     return table(header, rows), r.matches
 
 
+def writes_match_torch(name: str, plan: Plan) -> bool:
+    """Triton's reshape_and_cache into an 8-bit cache against kv_quant.quantize: the same
+    scales, codes within one step (fp8 writes are checked only here: the CPU tests' Triton
+    interpreter rounds fp32 -> fp8 wrongly)."""
+    from kvray.kernels.kv_quant import QUANTS, quantize, split_cache, within_one_step
+    from kvray.kernels.triton_cache import reshape_and_cache
+
+    _, num_kv_heads, head_dim = plan.heads
+    gen = torch.Generator().manual_seed(3)
+    values = (3 * torch.randn(64, num_kv_heads, head_dim, generator=gen)).to(plan.bench_dtype).to(plan.device)
+    slots = torch.randperm(128, generator=gen)[:64].to(plan.device)
+    storage = torch.zeros(8, 16, num_kv_heads, head_dim + 4, dtype=torch.int8, device=plan.device)
+    (kc, ks), (vc, vs) = split_cache(storage, QUANTS[name]), split_cache(storage.clone(), QUANTS[name])
+    reshape_and_cache(values, values, kc, vc, slots, ks, vs)
+    want_codes, want_scales = quantize(values, QUANTS[name])
+    ok = True
+    for codes, scales in ((kc, ks), (vc, vs)):
+        got_codes, got_scales = codes.flatten(0, 1)[slots], scales.flatten(0, 1)[slots]
+        ok &= torch.allclose(got_scales, want_scales, rtol=1e-6, atol=0)
+        ok &= within_one_step(got_codes.cpu(), want_codes.cpu())
+    return bool(ok)
+
+
 def bench_quantized_decode(plan: Plan, timer: Timer) -> tuple[list[str], bool]:
     """(d) Decode at the target shape over 8-bit caches (int8; fp8 e4m3 on a GPU) made from
     the same values as the model-dtype cache: time, bytes read (codes and scales) and the
-    error against float64 attention over the dequantized cache."""
+    error against float64 attention over the dequantized cache; and whether the Triton
+    cache writes of each 8-bit format agree with kv_quant.quantize."""
     from kvray.kernels.kv_quant import QUANTS, dequantize, quantize, split_cache
     from kvray.kernels.triton_attention import unified_attention
 
@@ -249,7 +273,8 @@ def bench_quantized_decode(plan: Plan, timer: Timer) -> tuple[list[str], bool]:
         )
         base_ms = base_ms or ms
         err = relative_error(out, attention_f64(ref_b, scale, None))
-        passed = err < REL_TOL[plan.bench_dtype]
+        writes = "—" if name == "auto" else "ok" if writes_match_torch(name, plan) else "FAIL"
+        passed = err < REL_TOL[plan.bench_dtype] and writes != "FAIL"
         ok &= passed
         kv_bytes = 2 * batch * ctx * num_kv_heads * per_pos
         rows.append(
@@ -260,10 +285,20 @@ def bench_quantized_decode(plan: Plan, timer: Timer) -> tuple[list[str], bool]:
                 f"{kv_bytes / (ms * 1e-3) / 1e9:.0f}",
                 f"{ms / base_ms:.2f}",
                 f"{err:.1e}",
+                writes,
                 "ok" if passed else "FAIL",
             ]
         )
-    header = ["kv_cache_dtype", "ms", "KV MB read", "GB/s", "time / model dtype's", "rel err", "result"]
+    header = [
+        "kv_cache_dtype",
+        "ms",
+        "KV MB read",
+        "GB/s",
+        "time / model dtype's",
+        "rel err",
+        "cache writes",
+        "result",
+    ]
     return [f"batch {batch} x context {ctx}, {str(plan.bench_dtype)[6:]} queries", ""] + table(
         header, rows
     ), ok

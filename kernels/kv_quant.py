@@ -86,3 +86,15 @@ def quantize(x: torch.Tensor, quant: KVQuant) -> tuple[torch.Tensor, torch.Tenso
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes [..., D], scales [...] -> values [..., D] in `dtype`."""
     return (codes.float() * scales[..., None].float()).to(dtype)
+
+
+def within_one_step(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two encodings of the same values differ by at most one code step, as two
+    correct quantizers may (a GPU's fp32 division can round a tie the other way): int8
+    codes at most 1 apart; fp8 e4m3 at most one step of the format (3 mantissa bits: an
+    eighth of the magnitude; 2^-9 among the subnormals)."""
+    integer = want.dtype == torch.int8
+    got, want = got.float(), want.float()
+    if integer:
+        return bool((got - want).abs().max() <= 1)
+    return bool(((got - want).abs() <= torch.maximum(got.abs(), want.abs()) / 8 + 2.0**-9).all())
