@@ -74,6 +74,7 @@ BENCHMARKS = {
     "tp": "tensor_parallel.py",
     "spec": "spec_decode.py",
     "kv-int8": "kv_int8.py",
+    "kernel-ab": "kernel_ab.py",
     "step-times": "step_times.py",
     "planner": "planner_live.py",
 }

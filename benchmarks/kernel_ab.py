@@ -1,0 +1,113 @@
+"""Two builds of the native CPU kernels on the same fused decode step, alternated in one process.
+
+On a shared VM the machine's speed drifts by 10-30 % between runs, more than most kernel
+changes gain, so timing one build, then the other, says little. Here both builds' libraries
+are loaded side by side and one captured decode step (SmolLM2, `dtype=auto`, `--rows`
+sequences of `--context` tokens, every layer in one kvray_decode_layers_* call) is replayed
+on each in turn, ABBA, so the drift hits both alike:
+
+    python benchmarks/kernel_ab.py --b /path/to/other/kernels [--a kernels] [--rows 32]
+
+`--a`/`--b`: folders holding the kernel sources (kernels/cpu_*.c and .h; a copy of the
+folder with one change, a worktree's, ...). Each is compiled as kvray.kernels.cpu_build
+compiles the product's; the captured step's tensors (the model's weights and KV caches, the
+step's inputs) come from this checkout. Prints min / p25 / median ms of each build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from serve_harness import cpu_banner
+
+from kvray.engine import LLM, SamplingParams
+from kvray.kernels import cpu_build, cpu_native
+
+
+def build(folder: Path, out: Path) -> ctypes.CDLL:
+    sources = [str(folder / s.name) for s in cpu_build.SOURCES]
+    compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"  # as cpu_build picks it
+    subprocess.run([compiler, *cpu_build.FLAGS, *sources, "-o", str(out), "-lm"], check=True)
+    return ctypes.CDLL(str(out))
+
+
+def capture_step(rows: int, context: int) -> tuple:
+    """The arguments of one fused decode step of `rows` sequences (`context` tokens each)."""
+    llm = LLM(
+        model="smollm2-135m-instruct",
+        max_model_len=context + 64,
+        max_num_seqs=rows,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+    )
+    prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + context))} for i in range(rows)]
+    captured = []
+    real = cpu_native.decode_layers
+
+    def grab(layers, shape, x, *tensors):
+        if x.shape[0] == rows and not captured:
+            captured.extend([layers, shape, x.clone(), *(t.clone() for t in tensors)])
+        return real(layers, shape, x, *tensors)
+
+    cpu_native.decode_layers = grab
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    finally:
+        cpu_native.decode_layers = real
+    if not captured:
+        raise SystemExit(f"no fused decode step of {rows} rows ran (too many rows for the fused layers?)")
+    return llm, captured  # the engine holds the weights and caches the captured pointers name
+
+
+def replay(lib: ctypes.CDLL, step: list, threads: int) -> float:
+    layers, shape, x0, cos, sin, slots, tables, lens, rows = step
+    fn = getattr(lib, "kvray_decode_layers_" + ("bf16" if x0.dtype == torch.bfloat16 else "f32"))
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.restype, fn.argtypes = None, [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32]
+    x = x0.clone()
+    start = time.perf_counter()
+    fn(
+        ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), x.shape[0],
+        cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
+        lens.data_ptr(), rows.data_ptr(), len(rows), threads,
+    )  # fmt: skip
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    here = Path(__file__).resolve().parent.parent / "kernels"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--a", type=Path, default=here, help="kernel sources A (default: this checkout's)")
+    parser.add_argument("--b", type=Path, required=True, help="kernel sources B")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=120)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [build(folder, Path(tmp) / f"{name}.so") for name, folder in (("a", args.a), ("b", args.b))]
+        _llm, step = capture_step(args.rows, args.context)
+        times: list[list[float]] = [[], []]
+        for rep in range(args.reps):
+            for which in (0, 1) if rep % 2 else (1, 0):
+                times[which].append(replay(libs[which], step, args.threads))
+    print(cpu_banner())
+    shape = f"{args.rows} rows x {args.context} context, {step[2].dtype}"
+    print(f"a fused decode step: {shape}, {args.reps} times each build, ABBA")
+    print("\n| build | min ms | p25 ms | median ms |\n|---|---|---|---|")
+    for name, folder, t in zip("ab", (args.a, args.b), times):
+        ms = [x * 1e3 for x in sorted(t)]
+        print(f"| {name}: {folder} | {ms[0]:.2f} | {ms[len(ms) // 4]:.2f} | {ms[len(ms) // 2]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
