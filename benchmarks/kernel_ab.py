@@ -11,7 +11,9 @@ on each in turn, ABBA, so the drift hits both alike:
 `--a`/`--b`: folders holding the kernel sources (kernels/cpu_*.c and .h; a copy of the
 folder with one change, a worktree's, ...). Each is compiled as kvray.kernels.cpu_build
 compiles the product's; the captured step's tensors (the model's weights and KV caches, the
-step's inputs) come from this checkout. Prints min / p25 / median ms of each build.
+step's inputs) and its DecodeLayer / DecodeShape structs come from this checkout, so both
+builds must lay those structs out as this checkout's cpu_layer.c does. Prints min / p25 /
+median ms of each build.
 """
 
 from __future__ import annotations

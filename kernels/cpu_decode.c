@@ -290,7 +290,8 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                 sum_out[qh] *= shrink;
                 rescale(acc, d, qh, shrink);
             }
-            /* all scores -inf so far (only with infinite inputs): numerators 0, not NaN */
+            /* all scores -inf so far (only with infinite inputs): subtract 0, not -inf (NaN); the
+             * tiny numerators left (exp8 stops at -87) are wiped by the first finite score */
             sum_out[qh] += exp_sum(sq, b1 - b0, max_out[qh] == -INFINITY ? 0.0f : max_out[qh]);
         }
         /* acc[q_h] += sum_i p[q_h][i] v_i over the block: one head slice of SLICE vectors

@@ -91,10 +91,12 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
 def within_one_step(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Whether two encodings of the same values differ by at most one code step, as two
     correct quantizers may (a GPU's fp32 division can round a tie the other way): int8
-    codes at most 1 apart; fp8 e4m3 at most one step of the format (3 mantissa bits: an
-    eighth of the magnitude; 2^-9 among the subnormals)."""
+    codes at most 1 apart; fp8 e4m3 at most one step of the format at the larger one's
+    magnitude (3 mantissa bits: 2^(e - 3) in [2^e, 2^(e + 1)); 2^-9 below 2^-6)."""
     integer = want.dtype == torch.int8
     got, want = got.float(), want.float()
     if integer:
         return bool((got - want).abs().max() <= 1)
-    return bool(((got - want).abs() <= torch.maximum(got.abs(), want.abs()) / 8 + 2.0**-9).all())
+    larger = torch.maximum(got.abs(), want.abs())
+    step = torch.where(larger >= 2.0**-6, torch.exp2(torch.floor(torch.log2(larger)) - 3), 2.0**-9)
+    return bool(((got - want).abs() <= step).all())

@@ -181,16 +181,18 @@ def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens
 ):
     """Both pools hold int8 KV (codes and scales pulled as they are, by either connector);
     the decode worker verifies n-gram drafts. Its greedy tokens are those of an offline
-    int8 engine.
+    int8 engine that speculates alike.
 
-    One request at a time on both sides: an int8 cache turns float differences of the
-    last bit (another batch's matmul path) into a code one step off, which can flip a
-    near-tied token, so only runs of the same batches are compared."""
+    One request at a time on both sides, and the same speculation: an int8 cache turns
+    float differences of the last bit (another batch's matmul path: on AVX-512 an fp32
+    step of 1-2 rows runs the fused decode layers, a verification of 4 rows oneDNN's
+    matmuls) into a code one step off, which can flip a near-tied token, so only runs of
+    the same steps are compared."""
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
     int8 = {**engine_args, "kv_cache_dtype": "int8"}
-    offline = LLM(**int8)
+    offline = LLM(**int8, **ngram)
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[6], PROMPTS[7]]  # a shared prefix; Fibonacci's digits
     want = [offline.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
-    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
     cluster = _deploy(int8, decode_engine=ngram, connector=connector)
     try:
         finals = [_run_all(cluster, [p])[0] for p in prompts]

@@ -165,21 +165,27 @@ def test_fused_decode_with_an_int8_cache_matches_the_modules(saved_model, monkey
         assert ((fused - modules).abs().max() / modules.abs().max()).item() < 1e-5, name
 
 
+@pytest.mark.parametrize("kv_int8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_steps_are_the_same_when_waiting_threads_redo_items(saved_model, monkeypatch, dtype):
+def test_fused_steps_are_the_same_when_waiting_threads_redo_items(saved_model, monkeypatch, dtype, kv_int8):
     """The fused phases' items are idempotent (kernels/cpu_share.h): with the straggler
     timeout at 0, a thread that finds a phase's items all claimed computes at once every
-    one not yet done, so items run twice, concurrently, and the logits stay bitwise the same."""
+    one not yet done, so items run twice, concurrently, and the logits stay bitwise the same
+    (an int8 cache's rows quantized twice too)."""
     name, path, _ = saved_model
     ids = torch.randint(0, 256, (52,), generator=torch.Generator().manual_seed(4)).tolist()
     config, lib = load_config(path), cpu_native.library()
     monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 steps of several rows fuse too
     ran = _count_fused(monkeypatch)
     chunks = [18, 18, 5, 9, 2]
-    plain = _kvray_logits(_model(path, dtype), config, ids, chunks, dtype=dtype)
+
+    def caches():
+        return _int8_caches(config)[1] if kv_int8 else None
+
+    plain = _kvray_logits(_model(path, dtype), config, ids, chunks, dtype=dtype, caches=caches())
     before = lib.kvray_set_share_redo_ns(0)
     try:
-        redone = _kvray_logits(_model(path, dtype), config, ids, chunks, dtype=dtype)
+        redone = _kvray_logits(_model(path, dtype), config, ids, chunks, dtype=dtype, caches=caches())
     finally:
         lib.kvray_set_share_redo_ns(before)
     assert before == 50_000
@@ -197,9 +203,13 @@ def test_fused_steps_are_the_same_when_waiting_threads_redo_items(saved_model, m
         ),
     ],
 )
-def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path, monkeypatch, dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(
+    smollm2_path, monkeypatch, dtype, kv_cache_dtype
+):
     """SmolLM2, 5 prompts decoded together (batches of up to 5 decode rows, contexts past
-    one attention span): the fused layers give the modules' greedy tokens."""
+    one attention span, so split spans are merged): the fused layers give the modules'
+    greedy tokens, over a model-dtype cache and an int8 one."""
     monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
     ran = _count_fused(monkeypatch)
     lengths = (3, 40, 130, 600, 9)
@@ -207,7 +217,13 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(smollm2_path,
         {"prompt_token_ids": [1 + i, *range(100 + 7 * i, 100 + 7 * i + n)]} for i, n in enumerate(lengths)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    llm = LLM(model=str(smollm2_path), dtype=dtype, max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(smollm2_path),
+        dtype=dtype,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert sum(1 for n in ran if n) >= 19  # every step after the prompts' was fused
     assert_no_leaks(llm)

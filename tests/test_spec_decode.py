@@ -178,8 +178,9 @@ def _tempered_top3(p: list[float], temperature: float) -> list[float]:
 
 
 def test_rejection_sampling_keeps_the_processed_distribution_at_a_temperature_and_top_k():
-    """At temperature 0.5 with top_k=3 the tokens follow the processed target: P0 squared,
-    its least likely token never drawn (a draft of it, 3, is always rejected)."""
+    """At temperature 0.5 with top_k=3 the tokens follow the processed target: each
+    position's distribution squared and renormalised, its least likely token never drawn
+    (the first position's 3, the second's 0)."""
     out = _sampled_batch(6000, temperature=0.5, top_k=3)
     first = [t[0] for t in out]
     expect = _tempered_top3(P0, 0.5)
