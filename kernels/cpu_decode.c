@@ -191,6 +191,25 @@ static inline void rescale(float *acc, int32_t d, int32_t qh, float f) {
     for (int32_t x = 0; x < d; x += 8) store8(acc + qh * d + x, load8(acc + qh * d + x) * f);
 }
 
+/* Query head qh's running max takes a block's largest score m (the span's first block
+ * starts it); where m raises it, the sums so far shrink by exp(m_old - m). Returns what the
+ * block's scores are measured from: the max, or 0 while every score so far is -inf (only
+ * with infinite inputs; -inf - -inf would be NaN, and the tiny numerators left, exp
+ * stopping at -87, are wiped by the first finite score). */
+static inline float online_max(float *max_out, float *sum_out, float *acc, int32_t d, int32_t qh, float m,
+                               int first_block) {
+    if (first_block) {
+        max_out[qh] = m;
+        sum_out[qh] = 0.0f;
+    } else if (m > max_out[qh]) {
+        const float shrink = expf(max_out[qh] - m);
+        max_out[qh] = m;
+        sum_out[qh] *= shrink;
+        rescale(acc, d, qh, shrink);
+    }
+    return max_out[qh] == -INFINITY ? 0.0f : max_out[qh];
+}
+
 /* The item's attention in one pass over its blocks (the online softmax of flash-decoding):
  * per block, the scores of its key rows for every query head, each head's running max and
  * sum (its accumulators rescaled where the max grows), then the block's value rows weighted
@@ -280,19 +299,8 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
          * block raises m, the sums so far shrink by exp(m_old - m) */
         for (int32_t qh = h0 * group; qh < h1 * group; qh++) {
             float *sq = scores + qh * n + (b0 - start);
-            const float m = max_of(sq, b1 - b0);
-            if (b0 == start) {
-                max_out[qh] = m;
-                sum_out[qh] = 0.0f;
-            } else if (m > max_out[qh]) {
-                const float shrink = expf(max_out[qh] - m);
-                max_out[qh] = m;
-                sum_out[qh] *= shrink;
-                rescale(acc, d, qh, shrink);
-            }
-            /* all scores -inf so far (only with infinite inputs): subtract 0, not -inf (NaN); the
-             * tiny numerators left (exp8 stops at -87) are wiped by the first finite score */
-            sum_out[qh] += exp_sum(sq, b1 - b0, max_out[qh] == -INFINITY ? 0.0f : max_out[qh]);
+            const float from = online_max(max_out, sum_out, acc, d, qh, max_of(sq, b1 - b0), b0 == start);
+            sum_out[qh] += exp_sum(sq, b1 - b0, from);
         }
         /* acc[q_h] += sum_i p[q_h][i] v_i over the block: one head slice of SLICE vectors
          * at a time, with the accumulators of its query heads in registers */
