@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) v8 sums8_x16(const __m512 a[8]) {
 }
 
 /* [q . k_0, ..., q . k_7] for a query head q and 8 key rows, all d floats */
-static inline __attribute__((always_inline)) v8 dots8_x16(const float *q, const float *const k[8], int32_t d) {
+static inline __attribute__((always_inline)) v8 dots8(const float *q, const float *const k[8], int32_t d) {
     __m512 a[8];
     for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
     for (int32_t x = 0; x < d; x += 16) {
@@ -165,6 +165,35 @@ static inline __attribute__((always_inline)) void add_values32(float *acc, int32
     }
     for (int g = 0; g < group; g++)
         for (int s = 0; s < 2; s++) _mm512_storeu_ps(acc + g * d + 16 * s, a[g][s]);
+}
+#else /* the same two, 8 floats at a time */
+static inline __attribute__((always_inline)) v8 dots8(const float *q, const float *const k[8], int32_t d) {
+    v8 a[8] = {0};
+    for (int32_t x = 0; x < d; x += 8) {
+        const v8 qv = load8(q + x);
+        for (int r = 0; r < 8; r++) a[r] += qv * load8(k[r] + x);
+    }
+    return sums8(a);
+}
+
+static inline __attribute__((always_inline)) void add_values32(float *acc, int32_t d, const char *v, int32_t x0,
+                                                               int64_t token_stride, int64_t rows, const float *p,
+                                                               int64_t n, const int group, int fresh, const int quant) {
+    v8 a[8][SLICE];
+    for (int g = 0; g < group; g++)
+        for (int s = 0; s < SLICE; s++) a[g][s] = fresh ? (v8){0} : load8(acc + g * d + 8 * s);
+    for (int64_t t = 0; t < rows; t++) {
+        const char *row = v + t * token_stride;
+        const float vs = quant == INT8 ? row_scale(row, d) : 1.0f;
+        v8 vv[SLICE];
+        for (int s = 0; s < SLICE; s++) vv[s] = load_row8(row, x0 + 8 * s, quant);
+        for (int g = 0; g < group; g++) {
+            const float pg = p[g * n + t] * vs;
+            for (int s = 0; s < SLICE; s++) a[g][s] += pg * vv[s];
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int s = 0; s < SLICE; s++) store8(acc + g * d + 8 * s, a[g][s]);
 }
 #endif
 
@@ -270,7 +299,7 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                     } else if (quant == F32) {
                         k[r] = (const float *)kp;
                     } else {
-#ifdef FAST_X16
+#ifdef FAST_X16 /* written out here: as a helper it cost the int8 kernel ~3 % */
                         for (int32_t x = 0; x < d; x += 16) _mm512_storeu_ps(widened + r * d + x, load16_row(kp, x, quant));
 #else
                         for (int32_t x = 0; x < d; x += 8) store8(widened + r * d + x, load_row8(kp, x, quant));
@@ -279,20 +308,9 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                         if (quant == INT8) row_scales[r] = row_scale(kp, d);
                     }
                 }
-                for (int g = 0; g < group; g++) {
-                    const float *qg = qs + ((int64_t)h * group + g) * d;
-#ifdef FAST_X16
+                for (int g = 0; g < group; g++)
                     store_scores(scores + (h * group + g) * n + (t0 - start),
-                                 dots8_x16(qg, k, d) * row_scales * c->scale, rows);
-                    continue;
-#endif
-                    v8 a[8] = {0};
-                    for (int32_t x = 0; x < d; x += 8) {
-                        const v8 qv = load8(qg + x);
-                        for (int r = 0; r < 8; r++) a[r] += qv * load8(k[r] + x);
-                    }
-                    store_scores(scores + (h * group + g) * n + (t0 - start), sums8(a) * row_scales * c->scale, rows);
-                }
+                                 dots8(qs + ((int64_t)h * group + g) * d, k, d) * row_scales * c->scale, rows);
             }
         }
         /* each query head's numerators exp(s_i - m) against its running max m; where the
@@ -309,28 +327,9 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
                 const int64_t width = quant == BF16 ? sizeof(bf16) : quant == INT8 ? 1 : sizeof(float);
                 prefetch_next(next_values, c, b0 - first, b1 - first, h, x0 * width,
                               x0 + 8 * SLICE < d ? (x0 + 8 * SLICE) * width : c->head_stride);
-#ifdef FAST_X16
                 add_values32(acc + h * group * d + x0, d, values + (b0 - first) * c->token_stride + h * c->head_stride,
                              x0, c->token_stride, b1 - b0, scores + h * group * n + (b0 - start), n, group, b0 == start,
                              quant);
-                continue;
-#endif
-                v8 a[8][SLICE];
-                for (int g = 0; g < group; g++)
-                    for (int s = 0; s < SLICE; s++)
-                        a[g][s] = b0 == start ? (v8){0} : load8(acc + (h * group + g) * d + x0 + 8 * s);
-                for (int64_t t = b0; t < b1; t++) {
-                    const char *vrow = values + (t - first) * c->token_stride + h * c->head_stride;
-                    const float vs = quant == INT8 ? row_scale(vrow, d) : 1.0f;
-                    v8 vv[SLICE];
-                    for (int s = 0; s < SLICE; s++) vv[s] = load_row8(vrow, x0 + 8 * s, quant);
-                    for (int g = 0; g < group; g++) {
-                        const float p = scores[(h * group + g) * n + (t - start)] * vs;
-                        for (int s = 0; s < SLICE; s++) a[g][s] += p * vv[s];
-                    }
-                }
-                for (int g = 0; g < group; g++)
-                    for (int s = 0; s < SLICE; s++) store8(acc + (h * group + g) * d + x0 + 8 * s, a[g][s]);
             }
         }
     }
