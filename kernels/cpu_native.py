@@ -58,6 +58,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | Non
 
 
 def rows_end_in_scales(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether int8 codes [blocks, block_size, Hkv, D] and their scales are
+    kv_quant.split_cache's views of one contiguous cache (each row D codes, then its scale)."""
     num_blocks, block_size, num_kv_heads, head_dim = codes.shape
     row = head_dim + 4
     return (

@@ -10,8 +10,8 @@
  * Here a phase's items are claimed, a run of neighbours at a time, from a shared counter by
  * whichever thread comes, and a thread that finds them all claimed waits for them to be
  * done; if no run is done for kvray_share_redo_ns (50 us), or twice the longest run the
- * waiter did itself in the phase where that is longer, the run's holder is taken to be off its core and the waiter computes the
- * runs not yet done itself. So the phases' items must be idempotent: each a pure
+ * waiter did itself in the phase where that is longer, the run's holder is taken to be off
+ * its core and the waiter computes the runs not yet done itself. So the phases' items must be idempotent: each a pure
  * function of buffers no later phase writes, writing an output nothing else writes (the
  * holder, when it is back, writes the same bits again). Each run's completion is a flag,
  * set once, with release order, after its writes.
