@@ -59,6 +59,8 @@ void kvray_add_row_f32(const float *, const float *, float *, int64_t);
 void kvray_add_row_bf16(const bf16 *, const bf16 *, bf16 *, int64_t);
 void kvray_rotary_row_f32(const float *, float *, int64_t, int64_t, const float *, const float *);
 void kvray_rotary_row_bf16(const bf16 *, bf16 *, int64_t, int64_t, const float *, const float *);
+void kvray_silu_mul_row_f32(const float *, const float *, float *, int64_t);
+void kvray_silu_mul_row_bf16(const bf16 *, const bf16 *, bf16 *, int64_t);
 void kvray_linear_panel_f32(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t,
                             int64_t, int64_t);
 void kvray_linear_panel_bf16(const bf16 *, int64_t, const bf16 *, const bf16 *, bf16 *, int64_t, int64_t, int64_t,
@@ -205,20 +207,12 @@ static void silu_item(const void *phase, void *scratch, int64_t r) {
     const SiluPhase *c = phase;
     const int64_t inter = c->inter;
     (void)scratch;
-    int64_t i = 0;
     if (c->bf16_io) {
-        const bf16 *g = (const bf16 *)c->gu + r * 2 * inter, *u = g + inter;
-        bf16 *out = (bf16 *)c->act + r * inter;
-        for (; i + 8 <= inter; i += 8) store8_bf16(out + i, round8_bf16(silu8(load8_bf16(g + i))) * load8_bf16(u + i));
-        for (; i < inter; i++) {
-            const float gv = bf16_to_f32(g[i]);
-            out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv)))) * bf16_to_f32(u[i]));
-        }
+        const bf16 *g = (const bf16 *)c->gu + r * 2 * inter;
+        kvray_silu_mul_row_bf16(g, g + inter, (bf16 *)c->act + r * inter, inter);
     } else {
-        const float *g = (const float *)c->gu + r * 2 * inter, *u = g + inter;
-        float *out = (float *)c->act + r * inter;
-        for (; i + 8 <= inter; i += 8) store8(out + i, silu8(load8(g + i)) * load8(u + i));
-        for (; i < inter; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const float *g = (const float *)c->gu + r * 2 * inter;
+        kvray_silu_mul_row_f32(g, g + inter, (float *)c->act + r * inter, inter);
     }
 }
 

@@ -124,15 +124,48 @@ typedef int v16i __attribute__((vector_size(64)));
 KVRAY_EXP(exp16, v16, v16i)
 #endif
 
-/* silu(x) = x * sigmoid(x), with exp8 of -|x| only (sigmoid(x) = 1 / (1 + e) for x >= 0,
- * e / (1 + e) below, e = exp(-|x|)) */
-static inline v8 silu8(v8 x) {
-    const v8i negative = x < 0, sign_bit = (v8i){0} + (-2147483647 - 1);
-    const v8 e = exp8((v8)((v8i)x | sign_bit)); /* exp(-|x|) */
-    const v8 r = 1.0f / (1.0f + e);
-    const v8 sigmoid = (v8)(((v8i)r & ~negative) | ((v8i)(e * r) & negative));
-    return x * sigmoid;
+/* silu(x) = x * sigmoid(x), with the exp of -|x| only (sigmoid(x) = 1 / (1 + e) for x >= 0,
+ * e / (1 + e) below, e = exp(-|x|)); the same operations lane by lane at either width */
+#define KVRAY_SILU(NAME, VF, VI, EXP)                                             \
+    static inline VF NAME(VF x) {                                                \
+        const VI negative = x < 0, sign_bit = (VI){0} + (-2147483647 - 1);      \
+        const VF e = EXP((VF)((VI)x | sign_bit)); /* exp(-|x|) */               \
+        const VF r = 1.0f / (1.0f + e);                                          \
+        const VF sigmoid = (VF)(((VI)r & ~negative) | ((VI)(e * r) & negative)); \
+        return x * sigmoid;                                                      \
+    }
+KVRAY_SILU(silu8, v8, v8i, exp8)
+
+#ifdef __AVX512F__
+KVRAY_SILU(silu16, v16, v16i, exp16)
+
+/* 16-float loads and stores of fp32 and bf16 rows, rounding as round8_bf16 does */
+typedef unsigned int v16u __attribute__((vector_size(64)));
+typedef unsigned short v16h __attribute__((vector_size(32)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
 }
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof(v)); }
+
+static inline v16 load16_bf16(const unsigned short *p) {
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+
+static inline v16 round16_bf16(v16 v) {
+    const v16u u = (v16u)v, nan = (v16u)(v != v);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (v16)((rounded & ~nan) | ((u | 0x400000u) & nan));
+}
+
+static inline void store16_bf16(unsigned short *p, v16 v) {
+    const v16h h = __builtin_convertvector((v16u)round16_bf16(v) >> 16, v16h);
+    memcpy(p, &h, sizeof(h));
+}
+#endif
 
 static inline float sum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));

@@ -67,11 +67,12 @@ class Attention(nn.Module):
         self.split = [len(q_rows), len(kv_rows), len(kv_rows)]
 
     def forward(self, x, rope, kv_cache, backend: AttentionBackend, meta):
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        qkv = self.qkv_proj(x)
+        q_width, kv_width, _ = self.split
+        # q's and k's heads side by side: one rotation (in place on a CPU) for both
+        qk = qkv[:, : q_width + kv_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_width + kv_width :].view(-1, self.num_kv_heads, self.head_dim)
         o = backend.forward(
             q,
             k,
