@@ -114,6 +114,10 @@ class RouterConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     health_check_seconds: float = Field(2.0, gt=0)  # also how soon a new worker is found
     num_replicas: int = Field(1, ge=1)  # Router replicas (Serve); they agree on every choice
+    # disaggregated only: a prompt of at most this many tokens is prefilled on its decode
+    # worker, in its continuous batch, instead of being handed off (Dynamo's conditional
+    # disaggregation, its `max_local_prefill_length`); 0: every prompt goes to a prefill worker
+    max_local_prefill_length: int = Field(0, ge=0)
 
 
 class DeploymentConfig(_Strict):

@@ -176,8 +176,12 @@ class Frontend:
         key = prefix_key(prompt_token_ids, self.block_size, self.config.router.affinity_blocks)
         touched: dict[str, object] = {}  # worker id -> handle: who must hear of an abort
         unclaimed = None  # a prefill worker whose pin no decode worker has taken yet
+        # a short prompt in PD is prefilled where it decodes (router.max_local_prefill_length)
+        handed_off = self.config.disaggregated and (
+            len(prompt_token_ids) > self.config.router.max_local_prefill_length
+        )
         try:
-            if self.config.disaggregated:
+            if handed_off:
                 prefill, handoff = await self._prefill(req, key, touched, deadline)
                 unclaimed = prefill
                 timer.on_queue_time(handoff.queue_seconds)
@@ -187,8 +191,10 @@ class Frontend:
                 def start(handle):
                     return handle.decode.remote(req, handoff, prefill)
 
-            else:
-                role = "mixed"
+            else:  # the whole request on one worker: colocated, or a short prompt in PD
+                role, key = ("decode", None) if self.config.disaggregated else ("mixed", key)
+                if self.config.disaggregated:
+                    self.stats.count("local_prefills")
 
                 def start(handle):
                     return handle.generate.remote(req)
@@ -198,7 +204,7 @@ class Frontend:
                 try:
                     async for delta in self._run_on(role, key, req, start, touched, exclude, deadline):
                         unclaimed = None
-                        self._take(out, delta, timer)
+                        self._take(out, delta, timer, handed_off)
                         yield out
                 except RequestTimeoutError:
                     if not out.token_ids:
@@ -233,10 +239,10 @@ class Frontend:
                     unclaimed.release_kv.remote(request_id)
             self.stats.finish(timer, out.finish_reason or "abort")
 
-    def _take(self, out: CompletionOutput, delta: Delta, timer: RequestTimer) -> None:
+    def _take(self, out: CompletionOutput, delta: Delta, timer: RequestTimer, handed_off: bool) -> None:
         _grow(out, delta)
         if delta.info:
-            if not self.config.disaggregated:
+            if not handed_off:  # (a hand-off's queue time is the prefill worker's, taken above)
                 timer.on_queue_time(delta.info.get("queue_seconds"))
             timer.cost_usd += delta.info.get("cost_usd", 0.0)
             if "error" in delta.info:

@@ -46,6 +46,7 @@ COUNTERS = {
     "prompt_tokens": "Prefilled prompt tokens.",
     "generation_tokens": "Generated tokens.",
     "request_migrations": "Requests moved to another worker after theirs died mid-stream.",
+    "local_prefills": "Prompts prefilled on their decode worker (router.max_local_prefill_length).",
 }
 
 

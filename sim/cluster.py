@@ -51,6 +51,7 @@ class ClusterSpec:
     mixed: PoolSpec | None = None
     affinity_blocks: int = 4  # RouterConfig's defaults
     imbalance_threshold: int = 4
+    max_local_prefill_length: int = 0  # PD: prompts up to this long run whole on a decode worker
     report_interval_s: float = 2.0
     network_s: float = 0.0  # one way, ingress <-> worker, per message (a token's trip)
     # the prefill -> decode link for KV pulls (None: the devices' own link, e.g. NVLink)
@@ -172,13 +173,16 @@ class Simulator:
 
     def _arrive(self, r: SimRequest) -> None:
         ids = prompt_token_ids(r)
-        if self.spec.disaggregated:  # the decode side rebuilds the request from them
+        handed_off = self.spec.disaggregated and len(ids) > self.spec.max_local_prefill_length
+        if handed_off:  # the decode side rebuilds the request from them
             self.prompts[r.request_id] = ids
-        role: Role = "prefill" if self.spec.disaggregated else "mixed"
+        role: Role = "prefill" if handed_off else "decode" if self.spec.disaggregated else "mixed"
         view = self.views[role]
-        engine = self.pools[role][0].engine
-        key = prefix_key(ids, engine.block_size, self.spec.affinity_blocks)
-        worker = view.pick(choose_prefill(view.current(), key, self.spec.imbalance_threshold))
+        if role == "decode":  # a short prompt, prefilled where it decodes
+            worker = view.pick(choose_decode(view.current()))
+        else:
+            key = prefix_key(ids, self.pools[role][0].engine.block_size, self.spec.affinity_blocks)
+            worker = view.pick(choose_prefill(view.current(), key, self.spec.imbalance_threshold))
         max_tokens = 1 if role == "prefill" else r.output_len
         req = worker.new_request(r.request_id, ids, max_tokens, r.arrival_s)
         self._at(self.now + self.spec.network_s, self._enqueue, worker, req)

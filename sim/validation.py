@@ -73,7 +73,10 @@ def cluster_from_config(config: dict, profile: str | None = None, network_s: flo
         return PoolSpec(int(p.get("num_workers", 1)), engine, cost)
 
     if config.get("disaggregated", True):
-        return ClusterSpec(prefill=pool("prefill"), decode=pool("decode"), network_s=network_s)
+        local = int((config.get("router") or {}).get("max_local_prefill_length", 0))
+        return ClusterSpec(
+            prefill=pool("prefill"), decode=pool("decode"), network_s=network_s, max_local_prefill_length=local
+        )
     return ClusterSpec(mixed=pool("mixed"), network_s=network_s)
 
 

@@ -74,6 +74,7 @@ def _deploy(
     pull_timeout=20.0,
     prefill_engine=None,
     decode_engine=None,
+    router=None,
 ):
     pool = {"num_cpus": 0.5, "torch_threads": 1}
     return launch(
@@ -88,7 +89,7 @@ def _deploy(
                 "lease_seconds": lease,
                 "pull_timeout_seconds": pull_timeout,
             },
-            "router": {"health_check_seconds": 0.5},
+            "router": {"health_check_seconds": 0.5, **(router or {})},
         }
     )
 
@@ -142,6 +143,24 @@ def test_disaggregated_matches_offline(local_ray, engine_args, offline, offline_
             want = offline_llm.generate([PROMPTS[0]], sampled)[0]
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
             assert [c.index for c in got.outputs] == [0, 1, 2] and got.finished
+        _assert_clean(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_short_prompts_prefill_on_the_decode_worker(local_ray, engine_args, offline):
+    """router.max_local_prefill_length (conditional disaggregation): prompts of at most 16
+    tokens run whole on the decode worker, longer ones are prefilled and pulled; the
+    tokens are the offline engine's either way."""
+    lengths = [len(ids) for ids in cluster_tokenizer(engine_args)(PROMPTS).input_ids]
+    handed_off = sum(n > 16 for n in lengths)
+    assert 0 < handed_off < len(PROMPTS)  # some prompts are handed off, some stay
+    cluster = _deploy(engine_args, router={"max_local_prefill_length": 16})
+    try:
+        finals = _run_all(cluster, PROMPTS)
+        assert [f.outputs[0].token_ids for f in finals] == offline
+        stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
+        assert sum(stats["decode"].kv_pull_buckets) == handed_off  # one pull per hand-off
         _assert_clean(cluster)
     finally:
         cluster.shutdown()

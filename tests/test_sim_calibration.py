@@ -83,6 +83,20 @@ def test_a_bench_result_becomes_the_simulated_load_and_every_request_finishes():
     assert sent[:2] == [0.0, 0.0] and sent[2] > 0  # two clients: the third waits for a slot
 
 
+def test_short_prompts_of_a_pd_config_run_whole_on_the_decode_pool():
+    """router.max_local_prefill_length in the simulator as in the front: the prompts of at
+    most that many tokens never reach the prefill pool."""
+    result = {"input_lens": [40, 300, 120, 64], "output_lens": [5, 20, 3, 9], "max_concurrency": 4}
+    config = yaml.safe_load((PRESETS / "smollm2-cpu-pd.yaml").read_text())
+    for local, prefilled in ((0, 4), (100, 2), (1000, 0)):
+        config["router"] = {**(config.get("router") or {}), "max_local_prefill_length": local}
+        res = predict(config, result)
+        assert [len(r.token_times) for r in res.records] == [5, 20, 3, 9]
+        busy = {wid.split("-")[0]: s for wid, s in res.busy_s.items()}
+        assert (busy["prefill"] > 0) == (prefilled > 0), (local, busy)
+        assert cluster_from_config(config).max_local_prefill_length == local
+
+
 def test_the_shipped_profiles_load_and_predict_growing_step_times():
     names = {p.name for p in PROFILES.glob("*.json")}
     assert {"cpu-t1.json", "cpu-t2.json", "cpu-t1-served.json", "cpu-t2-served.json"} <= names
