@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -58,13 +59,30 @@ def bench_args(args) -> list[str]:
     ]  # fmt: skip
 
 
+def local_prefills(url: str) -> float | None:
+    """kvray's `kvray:local_prefills_total` on url's /metrics (None: another server)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    name = "kvray:local_prefills_total"
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    return sum(values) if values else None
+
+
 def served(url: str, model: str, args) -> dict:
     warm = [
         "--dataset-name", "mix", "--num-prompts", str(args.max_concurrency), "--seed", str(args.seed + 1),
         "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--disable-tqdm",
     ]  # fmt: skip
     run_load(url, model, warm)  # the offline run's warm-up prompts
-    return run_load(url, model, bench_args(args))
+    before = local_prefills(url)
+    result = run_load(url, model, bench_args(args))
+    after = local_prefills(url)
+    if before is not None and after is not None:  # a PD preset's prompts prefilled where they decode
+        result["local_prefills"] = int(after - before)
+    return result
 
 
 def row(name: str, r: dict, base: float) -> str:
@@ -126,6 +144,10 @@ def main() -> None:
               f"{capped:.1f} | {capped / base:.2f} | — | — | — | — |")  # fmt: skip
     for name, r in results.items():
         print(row(name, r, base))
+    for name, r in results.items():
+        if r.get("local_prefills"):
+            local = r["local_prefills"]
+            print(f"\n{name}: {local} of {r['completed']} prompts prefilled on the decode worker")
     if args.save:
         slim = {k: {m: v for m, v in r.items() if not isinstance(v, list)} for k, r in results.items()}
         with open(args.save, "w") as f:

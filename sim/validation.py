@@ -74,9 +74,8 @@ def cluster_from_config(config: dict, profile: str | None = None, network_s: flo
 
     if config.get("disaggregated", True):
         local = int((config.get("router") or {}).get("max_local_prefill_length", 0))
-        return ClusterSpec(
-            prefill=pool("prefill"), decode=pool("decode"), network_s=network_s, max_local_prefill_length=local
-        )
+        pools = {"prefill": pool("prefill"), "decode": pool("decode")}
+        return ClusterSpec(**pools, network_s=network_s, max_local_prefill_length=local)
     return ClusterSpec(mixed=pool("mixed"), network_s=network_s)
 
 
