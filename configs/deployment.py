@@ -116,7 +116,8 @@ class RouterConfig(_Strict):
     num_replicas: int = Field(1, ge=1)  # Router replicas (Serve); they agree on every choice
     # disaggregated only: a prompt of at most this many tokens is prefilled on its decode
     # worker, in its continuous batch, instead of being handed off (Dynamo's conditional
-    # disaggregation, its `max_local_prefill_length`); 0: every prompt goes to a prefill worker
+    # disaggregation, its `max_local_prefill_length`); 0: every prompt goes to a prefill worker.
+    # (The decode pool's autoscaling and the planner do not yet count that prompt work.)
     max_local_prefill_length: int = Field(0, ge=0)
 
 

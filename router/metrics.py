@@ -32,7 +32,7 @@ HISTOGRAMS = {
     "inter_token_latency_seconds": ("Time between output tokens.", LATENCY_BUCKETS),
     "e2e_request_latency_seconds": ("Arrival to final output.", LATENCY_BUCKETS),
     "request_queue_time_seconds": (
-        "Time in the engine's queue before first scheduled (the prefill worker's, disaggregated).",
+        "Time in the engine's queue before first scheduled (the prefill worker's, when handed off).",
         LATENCY_BUCKETS,
     ),
     "request_prompt_tokens": ("Prompt tokens per request.", TOKEN_BUCKETS),
@@ -46,7 +46,7 @@ COUNTERS = {
     "prompt_tokens": "Prefilled prompt tokens.",
     "generation_tokens": "Generated tokens.",
     "request_migrations": "Requests moved to another worker after theirs died mid-stream.",
-    "local_prefills": "Prompts prefilled on their decode worker (router.max_local_prefill_length).",
+    "local_prefills": "Requests sent whole to a decode worker (router.max_local_prefill_length).",
 }
 
 
