@@ -7,7 +7,9 @@ concurrent clients. Offline: `LLM.generate` on the same prompts with 2 torch thr
 Useful tok/s = the output tokens the requests asked for / wall time. Every engine first
 runs `--max-concurrency` other prompts of the mix (seed + 1) at that concurrency, so no
 measured prompt finds its prefix cached and every slot of a server has run once
-(llama.cpp's server runs a slot's first request at about half speed).
+(llama.cpp's server runs a slot's first request at about half speed). For a kvray server it
+also prints how many measured prompts were prefilled on a decode worker
+(`kvray:local_prefills_total`, `router.max_local_prefill_length`).
 
     python benchmarks/served_vs_offline.py [--presets smollm2-cpu,smollm2-cpu-pd]
         [--baseline-src DIR]              # also serve the presets from another kvray tree
