@@ -50,17 +50,20 @@ static inline v8 load8_bf16(const unsigned short *p) { /* portable: GCC splits t
 }
 #endif
 
-/* v rounded to the nearest bf16 (as a float: its low 16 bits zero) */
-static inline v8 round8_bf16(v8 v) {
-    const v8u u = (v8u)v, nan = (v8u)(v != v);
-    const v8u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return (v8)((rounded & ~nan) | ((u | 0x400000u) & nan));
-}
-
-static inline void store8_bf16(unsigned short *p, v8 v) {
-    const v8h h = __builtin_convertvector((v8u)round8_bf16(v) >> 16, v8h);
-    memcpy(p, &h, sizeof(h));
-}
+/* ROUND(v): v rounded to the nearest bf16 (as a float: its low 16 bits zero); STORE(p, v)
+ * stores it as bf16. The same operations lane by lane at either width (8 here, 16 where
+ * AVX-512 has it). */
+#define KVRAY_BF16_OUT(ROUND, STORE, VF, VU, VH)                                  \
+    static inline VF ROUND(VF v) {                                               \
+        const VU u = (VU)v, nan = (VU)(v != v);                                  \
+        const VU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;       \
+        return (VF)((rounded & ~nan) | ((u | 0x400000u) & nan));                 \
+    }                                                                            \
+    static inline void STORE(unsigned short *p, VF v) {                         \
+        const VH h = __builtin_convertvector((VU)ROUND(v) >> 16, VH);            \
+        memcpy(p, &h, sizeof(h));                                                \
+    }
+KVRAY_BF16_OUT(round8_bf16, store8_bf16, v8, v8u, v8h)
 
 static inline float bf16_to_f32(unsigned short h) {
     const unsigned int u = (unsigned int)h << 16;
@@ -139,7 +142,7 @@ KVRAY_SILU(silu8, v8, v8i, exp8)
 #ifdef __AVX512F__
 KVRAY_SILU(silu16, v16, v16i, exp16)
 
-/* 16-float loads and stores of fp32 and bf16 rows, rounding as round8_bf16 does */
+/* 16-float loads and stores of fp32 and bf16 rows */
 typedef unsigned int v16u __attribute__((vector_size(64)));
 typedef unsigned short v16h __attribute__((vector_size(32)));
 
@@ -155,16 +158,7 @@ static inline v16 load16_bf16(const unsigned short *p) {
     return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
 
-static inline v16 round16_bf16(v16 v) {
-    const v16u u = (v16u)v, nan = (v16u)(v != v);
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return (v16)((rounded & ~nan) | ((u | 0x400000u) & nan));
-}
-
-static inline void store16_bf16(unsigned short *p, v16 v) {
-    const v16h h = __builtin_convertvector((v16u)round16_bf16(v) >> 16, v16h);
-    memcpy(p, &h, sizeof(h));
-}
+KVRAY_BF16_OUT(round16_bf16, store16_bf16, v16, v16u, v16h)
 #endif
 
 static inline float sum8(v8 v) {
