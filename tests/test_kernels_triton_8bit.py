@@ -62,24 +62,20 @@ def test_reshape_and_cache_8bit_stores_codes_and_scales(num_kv_heads, head_dim, 
         assert codes.reshape(64, -1)[untouched].view(torch.int8).count_nonzero() == 0
 
 
-def attend_8bit(batch, bound: float, **kwargs) -> torch.Tensor:
-    """unified_attention over an 8-bit batch (quantize_batch), checked against float64
-    attention over its dequantized cache; returns the output."""
+def attend(fn, batch, **kwargs) -> torch.Tensor:
+    """fn (unified_attention or its torch reference) over an 8-bit batch (quantize_batch):
+    scale 0.125, no window; returns the output."""
     out = torch.full_like(batch["q"], float("nan"))
-    triton_attention.unified_attention(
-        batch["q"],
-        batch["k_cache"],
-        batch["v_cache"],
-        out,
-        batch["cu_seqlens_q"],
-        batch["seq_lens"],
-        batch["block_tables"],
-        0.125,
-        None,
-        batch["k_scale"],
-        batch["v_scale"],
-        **kwargs,
-    )
+    caches = [batch[name] for name in ("k_cache", "v_cache")]
+    tables = [batch[name] for name in ("cu_seqlens_q", "seq_lens", "block_tables")]
+    fn(batch["q"], *caches, out, *tables, 0.125, None, batch["k_scale"], batch["v_scale"], **kwargs)
+    return out
+
+
+def attend_8bit(batch, bound: float, **kwargs) -> torch.Tensor:
+    """unified_attention over an 8-bit batch, checked against float64 attention over its
+    dequantized cache; returns the output."""
+    out = attend(triton_attention.unified_attention, batch, **kwargs)
     ref = attention_f64(**dequantized(batch), scale=0.125, window=None)
     rel = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
     assert rel < bound, f"relative error {rel:.2e}"
@@ -100,20 +96,7 @@ def test_8bit_cache_attention_matches_float64_of_its_dequantized_values(
     interpreter)."""
     batch = quantize_batch(make_batch(q_lens, seq_lens, 2, 4, 64, 16, dtype, seed=4), name)
     out = attend_8bit(batch, REL_TOL[dtype], force_split=force_split)
-    expect = torch.full_like(out, float("nan"))  # the torch reference reads the same cache
-    unified_attention_ref(
-        batch["q"],
-        batch["k_cache"],
-        batch["v_cache"],
-        expect,
-        batch["cu_seqlens_q"],
-        batch["seq_lens"],
-        batch["block_tables"],
-        0.125,
-        None,
-        batch["k_scale"],
-        batch["v_scale"],
-    )
+    expect = attend(unified_attention_ref, batch)  # the torch reference reads the same cache
     torch.testing.assert_close(
         out.float(), expect.float(), atol=5e-3 if dtype == torch.float16 else 1e-4, rtol=0
     )
