@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from pd_cluster import local_ray, offline, offline_llm  # noqa: F401 (the disaggregated tests' fixtures)
 from serve_fixtures import apps, client, colo_server, http, server  # noqa: F401 (the Serve apps' fixtures)
 
 if not torch.cuda.is_available():  # Triton kernels run interpreted on CPUs

@@ -1,135 +1,36 @@
-"""Disaggregated prefill/decode on local Ray, against the offline engine's tokens.
-
-One local Ray for the module (own temp dir, no dashboard, auth off, 2 CPUs); each test
-launches its own deployment (workers with half a CPU and one torch thread each) and
-shuts it down. After every scenario no block is used or pinned on any live worker.
+"""Disaggregated prefill/decode on local Ray, against the offline engine's tokens: KV
+pulls over each connector, short prompts prefilled where they decode, re-sharded heads,
+8-bit caches and speculating decode workers, and the colocated mode. Each test launches
+its own deployment (tests/pd_cluster.py) and shuts it down; after every scenario no block
+is used or pinned on any live worker. Losing a part: tests/test_disaggregated_failures.py.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import time
-from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from kvray.actors.launch import start_worker  # noqa: E402
-from kvray.actors.messages import EngineRequest  # noqa: E402
-from kvray.cluster.local import ensure_ray, launch  # noqa: E402
-from kvray.engine import (  # noqa: E402
-    LLM,
-    RequestOutputKind,  # noqa: E402
-    SamplingParams,
+from pd_cluster import (  # noqa: E402
+    GREEDY,
+    PROMPTS,
+    assert_clean,
+    cluster_tokenizer,
+    deploy,
+    run_all,
 )
+
+from kvray.actors.launch import start_worker  # noqa: E402
+from kvray.engine import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-SHARED = (
-    "A paged KV cache splits each sequence's keys and values into fixed-size blocks, "
-    "so memory is allocated on demand and blocks can be shared between requests. "
-)
-PROMPTS = [
-    "The capital of France is",
-    SHARED + "The main benefit is",
-    SHARED + "A second benefit is",
-    "def square(x):\n    return",
-    "Rain falls when",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "1, 1, 2, 3, 5, 8,",
-    SHARED + "Prefix caching means",
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
-    started = ensure_ray(num_cpus=2, temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def offline_llm(engine_args):
-    return LLM(**engine_args)
-
-
-@pytest.fixture(scope="module")
-def offline(offline_llm):
-    return [o.outputs[0].token_ids for o in offline_llm.generate(PROMPTS, GREEDY)]
-
-
-def _deploy(
-    engine_args,
-    *,
-    prefill=1,
-    decode=1,
-    mixed=1,
-    disaggregated=True,
-    connector="torch_dist",
-    lease=30.0,
-    pull_timeout=20.0,
-    prefill_engine=None,
-    decode_engine=None,
-    router=None,
-):
-    pool = {"num_cpus": 0.5, "torch_threads": 1}
-    return launch(
-        {
-            "engine": engine_args,
-            "disaggregated": disaggregated,
-            "prefill": {**pool, "num_workers": prefill, "engine": prefill_engine or {}},
-            "decode": {**pool, "num_workers": decode, "engine": decode_engine or {}},
-            "mixed": {**pool, "num_workers": mixed},
-            "kv_transfer": {
-                "connector": connector,
-                "lease_seconds": lease,
-                "pull_timeout_seconds": pull_timeout,
-            },
-            "router": {"health_check_seconds": 0.5, **(router or {})},
-        }
-    )
-
-
-def cluster_tokenizer(engine_args):
-    from kvray.models.loader import load_tokenizer
-
-    return load_tokenizer(Path(engine_args["model"]))
-
-
-def _run_all(cluster, prompts, params=GREEDY):
-    streams = [cluster.front.generate.remote(p, params, f"r{i}") for i, p in enumerate(prompts)]
-    finals = []
-    for s in streams:
-        out = None
-        for ref in s:
-            out = ray.get(ref)
-        finals.append(out)
-    return finals
-
-
-def _assert_clean(cluster, timeout: float = 10.0):
-    """No worker holds a block or a pin. The decode side lets a prefill pin go with a
-    fire-and-forget call after its pull, so the last ones may land just after the final
-    token reached the client: wait for them, a while."""
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = ray.get(cluster.router.worker_stats.remote())
-        if all(s.used_blocks == 0 and s.pinned == 0 for s in workers) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    for stats in workers:
-        assert stats.used_blocks == 0 and stats.pinned == 0, stats
 
 
 @pytest.mark.parametrize("connector", ["torch_dist", "object_store"])
 def test_disaggregated_matches_offline(local_ray, engine_args, offline, offline_llm, connector):
-    cluster = _deploy(engine_args, connector=connector)
+    cluster = deploy(engine_args, connector=connector)
     try:
-        finals = _run_all(cluster, PROMPTS)
+        finals = run_all(cluster, PROMPTS)
         assert [f.outputs[0].token_ids for f in finals] == offline
         assert all(f.finished for f in finals)
         stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
@@ -143,7 +44,7 @@ def test_disaggregated_matches_offline(local_ray, engine_args, offline, offline_
             want = offline_llm.generate([PROMPTS[0]], sampled)[0]
             assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
             assert [c.index for c in got.outputs] == [0, 1, 2] and got.finished
-        _assert_clean(cluster)
+        assert_clean(cluster)
     finally:
         cluster.shutdown()
 
@@ -155,13 +56,13 @@ def test_short_prompts_prefill_on_the_decode_worker(local_ray, engine_args, offl
     lengths = [len(ids) for ids in cluster_tokenizer(engine_args)(PROMPTS).input_ids]
     handed_off = sum(n > 16 for n in lengths)
     assert 0 < handed_off < len(PROMPTS)  # some prompts are handed off, some stay
-    cluster = _deploy(engine_args, router={"max_local_prefill_length": 16})
+    cluster = deploy(engine_args, router={"max_local_prefill_length": 16})
     try:
-        finals = _run_all(cluster, PROMPTS)
+        finals = run_all(cluster, PROMPTS)
         assert [f.outputs[0].token_ids for f in finals] == offline
         stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
         assert sum(stats["decode"].kv_pull_buckets) == handed_off  # one pull per hand-off
-        _assert_clean(cluster)
+        assert_clean(cluster)
     finally:
         cluster.shutdown()
 
@@ -175,21 +76,21 @@ def test_unequal_tensor_parallel_pools_reshard_heads(
 ):
     """SmolLM2's 3 KV heads sit 2 + 1 on a tp=2 worker: the pull re-shards them so each
     decode rank receives exactly its heads, and the tokens are the offline engine's."""
-    cluster = _deploy(
+    cluster = deploy(
         engine_args,
         connector=connector,
         prefill_engine={"tensor_parallel_size": prefill_tp, "max_num_seqs": 8},
         decode_engine={"tensor_parallel_size": decode_tp, "max_num_seqs": 8},
     )
     try:
-        finals = _run_all(cluster, PROMPTS[:6])
+        finals = run_all(cluster, PROMPTS[:6])
         got = [f.outputs[0].token_ids for f in finals]
         assert got == offline[:6]  # fp32 SmolLM2 has no near-ties on these prompts (see test_parallel)
         stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
         assert stats["decode"].kv_transfer_bytes > 0 and stats["decode"].kv_recomputes == 0
         # every byte pulled in was sent out by some prefill shard
         assert stats["prefill"].kv_transfer_bytes == stats["decode"].kv_transfer_bytes
-        _assert_clean(cluster)
+        assert_clean(cluster)
     finally:
         cluster.shutdown()
 
@@ -212,14 +113,14 @@ def test_int8_kv_pulls_and_speculating_decode_workers_give_colocated_int8_tokens
     offline = LLM(**int8, **ngram)
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[6], PROMPTS[7]]  # a shared prefix; Fibonacci's digits
     want = [offline.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
-    cluster = _deploy(int8, decode_engine=ngram, connector=connector)
+    cluster = deploy(int8, decode_engine=ngram, connector=connector)
     try:
-        finals = [_run_all(cluster, [p])[0] for p in prompts]
+        finals = [run_all(cluster, [p])[0] for p in prompts]
         assert [f.outputs[0].token_ids for f in finals] == want
         stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
         assert stats["decode"].kv_transfer_bytes > 0 and stats["decode"].kv_recomputes == 0
         assert stats["decode"].spec_decode.num_draft_tokens > 0
-        _assert_clean(cluster)
+        assert_clean(cluster)
     finally:
         cluster.shutdown()
 
@@ -252,7 +153,7 @@ def speculating(local_ray, engine_args, smollm2_path, tiny_draft):
     engines (model dtype KV) get 96 MiB so that all of SPEC_PROMPTS fit without preemption
     even when the draft's K/V shares the blocks."""
     decode = {"speculative_config": NGRAM, "kv_cache_memory_bytes": 96 << 20}
-    cluster = _deploy(engine_args, decode_engine=decode)
+    cluster = deploy(engine_args, decode_engine=decode)
     try:
         pool = cluster.config.decode.model_copy(update={"num_cpus": 0.25})  # both fit in Ray's 2 CPUs
         for worker_id, draft_path in (("decode-draft", smollm2_path), ("decode-tiny", tiny_draft)):
@@ -282,13 +183,13 @@ def _assert_spec_pd_run(cluster, worker_id: str, want: list[list[int]]):
     greedy tokens, the prompts' KV pulled (not recomputed), and nothing left held."""
     decode = _decode_on(cluster, worker_id)
     before = ray.get(decode.stats.remote()).spec_decode
-    finals = _run_all(cluster, SPEC_PROMPTS, SPEC_GREEDY)
+    finals = run_all(cluster, SPEC_PROMPTS, SPEC_GREEDY)
     assert all(f.finished for f in finals)
     got = [f.outputs[0].token_ids for f in finals]
     assert got == want, [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
     stats = ray.get(decode.stats.remote())
     assert stats.kv_transfer_bytes > 0 and stats.kv_recomputes == 0 and stats.prefix_queries == 0
-    _assert_clean(cluster)
+    assert_clean(cluster)
     spec = stats.spec_decode
     return (
         spec.num_draft_tokens - before.num_draft_tokens,
@@ -317,103 +218,12 @@ class TestSpeculatingDecodePools:
         assert drafted > 0 and accepted / drafted < 0.2
 
 
-def test_expired_lease_recomputes_identically(local_ray, engine_args, offline):
-    cluster = _deploy(engine_args, lease=1e-6)  # over before any decode side can pull
-    try:
-        finals = _run_all(cluster, PROMPTS[:4])
-        assert [f.outputs[0].token_ids for f in finals] == offline[:4]
-        stats = {s.role: s for s in ray.get(cluster.router.worker_stats.remote())}
-        assert stats["decode"].kv_recomputes == 4
-        _assert_clean(cluster)
-    finally:
-        cluster.shutdown()
-
-
 def test_colocated_mode_matches_offline(local_ray, engine_args, offline):
-    cluster = _deploy(engine_args, disaggregated=False)
+    cluster = deploy(engine_args, disaggregated=False)
     try:
-        finals = _run_all(cluster, PROMPTS)
+        finals = run_all(cluster, PROMPTS)
         assert [f.outputs[0].token_ids for f in finals] == offline
         assert ray.get(cluster.router.live_workers.remote()) == {"mixed": ["mixed-0"]}
-        _assert_clean(cluster)
-    finally:
-        cluster.shutdown()
-
-
-@pytest.mark.parametrize("disaggregated", [True, False], ids=["pd", "colocated"])
-def test_worker_killed_mid_stream_loses_no_request(local_ray, engine_args, disaggregated):
-    """Every stream in flight on the killed worker moves to the other one and goes on from
-    its next token: all requests finish with the tokens of an undisturbed offline run."""
-    if disaggregated:
-        cluster, victim, survivor = _deploy(engine_args, decode=2), "decode-0", "decode-1"
-    else:
-        cluster = _deploy(engine_args, mixed=2, disaggregated=False)
-        victim, survivor = "mixed-0", "mixed-1"
-    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    want = [o.outputs[0] for o in LLM(**engine_args).generate(PROMPTS[:4], long)]
-    try:
-        streams = [cluster.front.generate.remote(p, long, f"k{i}") for i, p in enumerate(PROMPTS[:4])]
-        seconds = [(ray.get(next(s)), ray.get(next(s)))[1] for s in streams]  # decoding now
-        assert all(not s.finished and len(s.outputs[0].token_ids) >= 2 for s in seconds)
-        ray.kill(cluster.workers[victim][1])
-        finals = []
-        for s in streams:
-            out = None
-            for ref in s:
-                out = ray.get(ref)
-            finals.append(out)
-        assert [f.outputs[0].token_ids for f in finals] == [w.token_ids for w in want]
-        assert [f.outputs[0].text for f in finals] == [w.text for w in want]
-        text = ray.get(cluster.front.metrics_text.remote()).decode()
-        moved = next(line for line in text.splitlines() if line.startswith("kvray:request_migrations_total"))
-        assert float(moved.split()[-1]) >= 1  # some were on the victim and moved
-        deadline = time.monotonic() + 10  # the router's health check finds it gone
-        role = "decode" if disaggregated else "mixed"
-        while ray.get(cluster.router.live_workers.remote())[role] != [survivor]:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        after = _run_all(cluster, PROMPTS[:2])  # new traffic goes to the live worker
-        assert all(f.finished for f in after)
-        _assert_clean(cluster)  # nothing leaked on the workers left
-    finally:
-        cluster.shutdown()
-
-
-def test_prefill_worker_killed(local_ray, engine_args, offline):
-    cluster = _deploy(engine_args, prefill=2)
-    try:
-        ray.kill(cluster.workers["prefill-0"][1])
-        finals = _run_all(cluster, PROMPTS)  # those routed to the dead one are retried
-        assert [f.outputs[0].token_ids for f in finals] == offline
-        assert ray.get(cluster.router.live_workers.remote())["prefill"] == ["prefill-1"]
-        _assert_clean(cluster)
-    finally:
-        cluster.shutdown()
-
-
-def test_sharded_prefill_gone_before_the_pull_recomputes_on_the_decode_side(local_ray, engine_args, offline):
-    """A tp=2 prefill worker that vanishes after answering: the decode worker's pull fails,
-    it recomputes the prompt, gives the offline tokens, and stays in its pool."""
-    cluster = _deploy(engine_args, prefill_engine={"tensor_parallel_size": 2})
-    try:
-        prefill, decode = cluster.workers["prefill-0"][1], cluster.workers["decode-0"][1]
-        ids = cluster_tokenizer(engine_args)(PROMPTS[0]).input_ids
-        params = dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA)
-        req = EngineRequest("gone", ids, params, destination="test-front")
-        handoff = ray.get(prefill.prefill.remote(req))
-        assert handoff.ticket is not None
-        ray.kill(prefill)
-        stream = decode.outputs.options(num_returns="streaming").remote("test-front")
-        ray.get(decode.decode.remote(req, handoff, prefill))
-        tokens = []
-        for ref in stream:
-            for delta in ray.get(ref):
-                tokens += delta.token_ids
-            if delta.finish_reason is not None:
-                break
-        ray.cancel(stream)
-        assert tokens == offline[0]
-        stats = ray.get(decode.stats.remote())
-        assert stats.kv_recomputes == 1 and stats.used_blocks == 0
+        assert_clean(cluster)
     finally:
         cluster.shutdown()
