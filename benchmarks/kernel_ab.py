@@ -2,7 +2,7 @@
 
 On a shared VM the machine's speed drifts by 10-30 % between runs, more than most kernel
 changes gain, so timing one build, then the other, says little. Here both builds' libraries
-are loaded side by side and one captured decode step (SmolLM2, `dtype=auto`, `--rows`
+are loaded side by side and one captured decode step (SmolLM2, `--dtype`, default `auto`, `--rows`
 sequences of `--context` tokens, every layer in one kvray_decode_layers_* call) is replayed
 on each in turn, ABBA, so the drift hits both alike:
 
@@ -41,10 +41,11 @@ def build(folder: Path, out: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
-def capture_step(rows: int, context: int) -> tuple:
+def capture_step(rows: int, context: int, dtype: str = "auto") -> tuple:
     """The arguments of one fused decode step of `rows` sequences (`context` tokens each)."""
     llm = LLM(
         model="smollm2-135m-instruct",
+        dtype=dtype,
         max_model_len=context + 64,
         max_num_seqs=rows,
         max_num_batched_tokens=4096,
@@ -93,11 +94,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--reps", type=int, default=120)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto, float32, bfloat16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(folder, Path(tmp) / f"{name}.so") for name, folder in (("a", args.a), ("b", args.b))]
-        _llm, step = capture_step(args.rows, args.context)
+        _llm, step = capture_step(args.rows, args.context, args.dtype)
         times: list[list[float]] = [[], []]
         for rep in range(args.reps):
             for which in (0, 1) if rep % 2 else (1, 0):

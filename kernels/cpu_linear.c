@@ -203,17 +203,21 @@ void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_pane
     const int64_t per_tile = rows_per_tile_bf16(m);
     const int cols = n - p * PANEL_BF16 < PANEL_BF16 ? (int)(n - p * PANEL_BF16) : PANEL_BF16;
     const bf16 *b = bias ? bias + p * PANEL_BF16 : 0;
-    /* The first tile streams the panel from memory; the later ones read it from L1. They
-     * prefetch the next panel meanwhile, a share each, so memory stays busy throughout. */
+    /* One tile streams the panel from memory, its compute hidden under the stream. Where
+     * there are several, every tile prefetches a share of the next panel while it works,
+     * so the next panel's tiles find it in cache and memory stays busy throughout: the
+     * first tile included (16 rows, 8 + 8: 10.6 -> 9.7 ms a SmolLM2 decode step through
+     * every layer against only the later tiles prefetching; 9 rows 9.8 -> 7.2 ms). */
     const int64_t panel_bytes = k * PANEL_BF16 * (int64_t)sizeof(bf16);
-    const int64_t later = (m + per_tile - 1) / per_tile - 1;
+    const int64_t tiles = (m + per_tile - 1) / per_tile;
+    const int64_t sharing = tiles > 1 ? tiles : 0; /* the tiles that prefetch, a share each */
     const char *next = p + 1 < kvray_linear_num_panels(n, 1) ? (const char *)(w_panels + (p + 1) * k * PANEL_BF16) : 0;
     for (int64_t r = 0, t = 0; r < m; r += per_tile, t++) {
         const int rows = m - r < per_tile ? (int)(m - r) : (int)per_tile;
-        const char *ahead = t > 0 && next ? next + (t - 1) * panel_bytes / later : 0;
+        const char *ahead = sharing && next ? next + t * panel_bytes / sharing : 0;
         TILES_BF16[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL_BF16, k / 2,
                          out + r * out_stride + p * PANEL_BF16, out_stride, b, cols, ahead,
-                         later ? panel_bytes / later : 0);
+                         sharing ? panel_bytes / sharing : 0);
     }
 }
 
