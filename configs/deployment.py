@@ -117,7 +117,8 @@ class RouterConfig(_Strict):
     # disaggregated only: a prompt of at most this many tokens is prefilled on its decode
     # worker, in its continuous batch, instead of being handed off (Dynamo's conditional
     # disaggregation, its `max_local_prefill_length`); 0: every prompt goes to a prefill worker.
-    # (The decode pool's autoscaling and the planner do not yet count that prompt work.)
+    # (The decode pool's autoscaling counts that prompt work in `queued_prompt_tokens`, as a
+    # mixed pool's; the planner's sizing does not.)
     max_local_prefill_length: int = Field(0, ge=0)
 
 

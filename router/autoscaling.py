@@ -6,8 +6,11 @@ asks for enough workers to bring every signal to its target and takes the larges
 
 * prefill: queued prompt tokens (summed: tokens / target per worker) and the time its
   prompts take to their first token (mean, scaled with the pool);
-* decode / mixed: KV-cache usage and inter-token latency (means, scaled with the pool)
-  and requests admitted or waiting (summed: requests / target per worker).
+* decode / mixed: KV-cache usage and inter-token latency (means, scaled with the pool),
+  requests admitted or waiting (summed: requests / target per worker), and the prompt
+  tokens a worker computes itself (summed, as prefill's): a mixed worker's prompts, and a
+  decode worker's short prompts (`router.max_local_prefill_length`), moved requests and
+  failed pulls. A decode worker's pulled prompts never count: they wait outside its queue.
 
 Requests that wait at an ingress for a worker of the pool to join (the pool is empty while
 Serve replaces a dead worker, see `Frontend._route`) count too: each ingress replica
@@ -41,9 +44,9 @@ MEANS = {
 }
 SIGNALS = {
     "prefill": ("queued_prompt_tokens", "ttft_seconds"),
-    "decode": ("kv_cache_usage", "running_requests", "itl_seconds"),
+    "decode": ("queued_prompt_tokens", "kv_cache_usage", "running_requests", "itl_seconds"),
 }
-SIGNALS["mixed"] = SIGNALS["prefill"] + SIGNALS["decode"]
+SIGNALS["mixed"] = ("ttft_seconds", *SIGNALS["decode"])
 WAITING_FRESH_S = 10.0  # an ingress's waiting counts older than this are stale (it is gone)
 WAITING_READ_S = 1.0  # the policy reads them at most this often (Serve calls it every 0.1 s)
 

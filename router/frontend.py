@@ -187,12 +187,14 @@ class Frontend:
                 timer.on_queue_time(handoff.queue_seconds)
                 timer.cost_usd += handoff.cost_usd
                 role, key = "decode", None
+                to_compute = 0  # its KV is pulled, not computed there
 
                 def start(handle):
                     return handle.decode.remote(req, handoff, prefill)
 
             else:  # the whole request on one worker: colocated, or a short prompt in PD
                 role, key = ("decode", None) if self.config.disaggregated else ("mixed", key)
+                to_compute = len(prompt_token_ids)
                 if self.config.disaggregated:
                     self.stats.count("local_prefills")
 
@@ -202,7 +204,8 @@ class Frontend:
             migrations, exclude = 0, []
             while out.finish_reason is None:
                 try:
-                    async for delta in self._run_on(role, key, req, start, touched, exclude, deadline):
+                    deltas = self._run_on(role, key, req, start, touched, exclude, deadline, to_compute)
+                    async for delta in deltas:
                         unclaimed = None
                         self._take(out, delta, timer, handed_off)
                         yield out
@@ -228,6 +231,7 @@ class Frontend:
                     key = None if self.config.disaggregated else key
                     exclude = [e.worker_id]
                     moved = dataclasses.replace(req, generated_token_ids=list(out.token_ids))
+                    to_compute = len(moved.prompt_token_ids) + len(moved.generated_token_ids)
 
                     def start(handle, moved=moved):
                         return handle.generate.remote(moved)
@@ -262,14 +266,22 @@ class Frontend:
                 self._retry(tried, wid)
 
     async def _run_on(
-        self, role: str, key, req: EngineRequest, start, touched: dict, exclude: list[str], deadline: float
+        self,
+        role: str,
+        key,
+        req: EngineRequest,
+        start,
+        touched: dict,
+        exclude: list[str],
+        deadline: float,
+        to_compute: int,
     ) -> AsyncIterator[Delta]:
         """Start the request on a worker of `role` (not one of `exclude`) and yield its
-        deltas until the last."""
+        deltas until the last. `to_compute`: the tokens the worker computes for it before
+        its next token (counted while it waits for a worker to join the pool)."""
         tried: list[str] = list(exclude)
         while True:
-            num_tokens = len(req.prompt_token_ids) + len(req.generated_token_ids)  # to compute there
-            wid, handle = await self._route(role, key, tried, deadline, num_tokens)
+            wid, handle = await self._route(role, key, tried, deadline, to_compute)
             touched[wid] = handle
             inbox = self._inbox(wid, handle)
             box = inbox.register(req.request_id)

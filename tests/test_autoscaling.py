@@ -44,6 +44,17 @@ def test_decode_asks_for_kv_usage_and_requests():
     assert desired_workers("decode", TARGETS, 3, {}) is None  # no signals yet: no opinion
 
 
+def test_decode_counts_the_prompt_tokens_it_computes_itself():
+    # a PD decode worker's short prompts (router.max_local_prefill_length): 2500 tokens
+    # queued on one replica ask ceil(2500 / 1000) = 3 workers; 2 requests alone ask 1
+    metrics = {"queued_prompt_tokens": [2500], "running_requests": [2], "kv_cache_usage": [0.1]}
+    assert desired_workers("decode", TARGETS, 1, metrics) == 3
+    assert desired_workers("decode", TARGETS, 1, {**metrics, "queued_prompt_tokens": [0]}) == 1
+    # the time to first token stays the prefill (or mixed) pool's signal
+    assert desired_workers("decode", TARGETS, 1, {"ttft_seconds": [9.0]}) is None
+    assert desired_workers("mixed", TARGETS, 1, {"ttft_seconds": [4.0]}) == 2
+
+
 def test_policy_never_asks_for_zero_and_keeps_its_state():
     policy = PoolPolicy("decode", TARGETS)
     ctx = SimpleNamespace(

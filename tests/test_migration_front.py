@@ -163,6 +163,47 @@ def test_a_request_waits_for_a_worker_to_join_its_pool():
     assert front.num_waiting == 0
 
 
+def test_a_pd_request_waiting_for_a_decode_worker_counts_the_prompt_tokens_computed_there():
+    """A prompt handed off has its KV pulled by the decode worker: while it waits for one to
+    join it counts as a request, not as prompt work; a short prompt prefilled there
+    (`router.max_local_prefill_length`) counts its tokens, which the decode pool's
+    autoscaling reads."""
+    from test_serve_metrics import FakeWorker
+
+    from kvray.router.router import NoWorkerError
+
+    seen = []
+
+    class NoDecoderAtFirst(FakeRouter):
+        def _route(self, role, key=None, exclude=()):
+            if role == "decode":
+                self.refused = getattr(self, "refused", 0) + 1
+                seen.append(dict(front.waiting.get(role, {})))
+                if self.refused % 2:  # every request's first ask finds the pool empty
+                    raise NoWorkerError("no live decode worker")
+            return super()._route(role, key, exclude)
+
+    config = DeploymentConfig(disaggregated=True, router={"max_local_prefill_length": 3})
+    workers = [FakeWorker("prefill-0", "prefill"), FakeWorker("decode-0", "decode")]
+    front = Frontend(NoDecoderAtFirst(workers), config, "f")
+
+    async def one(rid, prompt):
+        async for out in front.generate(rid, prompt, SamplingParams(max_tokens=3)):  # noqa: B007
+            pass
+        return out.text
+
+    assert asyncio.run(one("handed-off", [1, 2, 3, 4, 5])) == "abc"
+    assert asyncio.run(one("local", [1, 2, 3])) == "abc"
+    assert front.stats.snapshot()["count"]["local_prefills"] == 1
+    # each request: its first ask finds none (counted from then on), its second a worker
+    assert seen == [
+        {},
+        {"running_requests": 1.0, "queued_prompt_tokens": 0.0},  # handed off: pulled there
+        {"running_requests": 0.0, "queued_prompt_tokens": 0.0},
+        {"running_requests": 1.0, "queued_prompt_tokens": 3.0},  # prefilled there
+    ]
+
+
 def test_http_errors_of_deadlines_and_missing_workers():
     from kvray.router.app import _api_error_of
     from kvray.router.frontend import RequestTimeoutError
