@@ -14,6 +14,12 @@ compiles the product's; the captured step's tensors (the model's weights and KV 
 step's inputs) and its DecodeLayer / DecodeShape structs come from this checkout, so both
 builds must lay those structs out as this checkout's cpu_layer.c does. Prints min / p25 /
 median ms of each build.
+
+    python benchmarks/kernel_ab.py --phases [--a kernels] [--rows 16]
+
+`--phases` (no `--b`): build A once more with `-DKVRAY_PHASE_TIMES` and print where the
+step's time goes, phase by phase (norm, qkv, RoPE, attention, ..., summed over the layers;
+thread 0's clock, so a phase's time includes waiting for the other threads' share of it).
 """
 
 from __future__ import annotations
@@ -33,11 +39,25 @@ from serve_harness import cpu_banner
 from kvray.engine import LLM, SamplingParams
 from kvray.kernels import cpu_build, cpu_native
 
+PHASES = (
+    "norm",
+    "qkv",
+    "RoPE + cache write",
+    "attention",
+    "attention merge",
+    "o",
+    "norm 2",
+    "gate/up",
+    "SiLU x up",
+    "down",
+)
 
-def build(folder: Path, out: Path) -> ctypes.CDLL:
+
+def build(folder: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     sources = [str(folder / s.name) for s in cpu_build.SOURCES]
     compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"  # as cpu_build picks it
-    subprocess.run([compiler, *cpu_build.FLAGS, *sources, "-o", str(out), "-lm"], check=True)
+    flags = [*cpu_build.FLAGS, *(f"-D{d}" for d in defines)]
+    subprocess.run([compiler, *flags, *sources, "-o", str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))
 
 
@@ -89,14 +109,20 @@ def main() -> None:
     here = Path(__file__).resolve().parent.parent / "kernels"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--a", type=Path, default=here, help="kernel sources A (default: this checkout's)")
-    parser.add_argument("--b", type=Path, required=True, help="kernel sources B")
+    parser.add_argument("--b", type=Path, help="kernel sources B (or --phases)")
+    parser.add_argument("--phases", action="store_true", help="time each phase of build A's step instead")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--reps", type=int, default=120)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="the model's dtype (auto, float32, bfloat16)")
     args = parser.parse_args()
+    if (args.b is None) == (not args.phases):
+        parser.error("give --b (an A/B of two builds) or --phases (one build, phase by phase)")
     torch.set_num_threads(args.threads)
+    if args.phases:
+        phases(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(folder, Path(tmp) / f"{name}.so") for name, folder in (("a", args.a), ("b", args.b))]
         _llm, step = capture_step(args.rows, args.context, args.dtype)
@@ -111,6 +137,26 @@ def main() -> None:
     for name, folder, t in zip("ab", (args.a, args.b), times):
         ms = [x * 1e3 for x in sorted(t)]
         print(f"| {name}: {folder} | {ms[0]:.2f} | {ms[len(ms) // 4]:.2f} | {ms[len(ms) // 2]:.2f} |")
+
+
+def phases(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = build(args.a, Path(tmp) / "phases.so", ("KVRAY_PHASE_TIMES",))
+        _llm, step = capture_step(args.rows, args.context, args.dtype)
+        for _ in range(10):  # warm up
+            replay(lib, step, args.threads)
+        sums = (ctypes.c_double * len(PHASES)).in_dll(lib, "kvray_phase_seconds")
+        for i in range(len(PHASES)):
+            sums[i] = 0.0
+        total = sum(replay(lib, step, args.threads) for _ in range(args.reps))
+    print(cpu_banner())
+    print(
+        f"a fused decode step: {args.rows} rows x {args.context} context, {step[2].dtype}, {args.reps} times"
+    )
+    print("\n| phase | ms a step | share |\n|---|---|---|")
+    print(f"| the whole step | {1e3 * total / args.reps:.2f} | |")
+    for name, seconds in zip(PHASES, sums):
+        print(f"| {name} | {1e3 * seconds / args.reps:.2f} | {100 * seconds / total:.0f} % |")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,22 @@ int64_t kvray_set_share_redo_ns(int64_t ns) {
 enum { PHASES = 10 }; /* per layer (decode attention's items and merge two of them); one more at the end */
 enum { ATTEND = 3 };  /* the phase of decode attention's items */
 
+/* Built with -DKVRAY_PHASE_TIMES (`kvray bench kernel-ab --phases`, never the product), each
+ * phase's wall time on thread 0's clock adds up here, summed over layers and calls: where a
+ * fused step's time goes, phase by phase. */
+#ifdef KVRAY_PHASE_TIMES
+#include <omp.h>
+double kvray_phase_seconds[PHASES];
+#define RUN_PHASE(j, fn, arg)                                                                  \
+    do {                                                                                       \
+        const double start_ = omp_get_wtime();                                                 \
+        share_run(&s[j], fn, arg, &scratch);                                                   \
+        if (omp_get_thread_num() == 0) kvray_phase_seconds[j] += omp_get_wtime() - start_;     \
+    } while (0)
+#else
+#define RUN_PHASE(j, fn, arg) share_run(&s[j], fn, arg, &scratch)
+#endif
+
 /* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a panel */
 typedef struct {
     int bf16_io;
@@ -305,27 +321,27 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             /* h = RMSNorm(x_in), x_in = the last layer's r + z */
             const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
                                        l->input_norm, hidden, sh->eps};
-            share_run(&s[0], norm_item, &norm_in, &scratch);
+            RUN_PHASE(0, norm_item, &norm_in);
             const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden};
-            share_run(&s[1], linear_item, &qkv, &scratch);
+            RUN_PHASE(1, linear_item, &qkv);
             const RopePhase rope = {bf16_io, b->qkv, b->qk, sh, l, cos, sin, slots};
-            share_run(&s[2], rope_item, &rope, &scratch);
+            RUN_PHASE(2, rope_item, &rope);
             const DecodeArgs attend = {plan,   b->parts,     b->qk,    qk_width, b->attn,  q_width,
                                        &cache, block_tables, table_stride, seq_lens, q_rows, num_seqs,
                                        sh->num_q_heads, quant, bf16_io};
-            share_run(&s[3], attend_item, &attend, &scratch);
-            share_run(&s[4], merge_item, &attend, &scratch);
+            RUN_PHASE(3, attend_item, &attend);
+            RUN_PHASE(4, merge_item, &attend);
             const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width};
-            share_run(&s[5], linear_item, &o, &scratch);
+            RUN_PHASE(5, linear_item, &o);
             /* r = x_in + y, h2 = RMSNorm(r) */
             const NormPhase norm_post = {bf16_io, b->x_in, b->y, b->r, b->h2, l->post_norm, hidden, sh->eps};
-            share_run(&s[6], norm_item, &norm_post, &scratch);
+            RUN_PHASE(6, norm_item, &norm_post);
             const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu, rows, 2 * inter, hidden};
-            share_run(&s[7], linear_item, &gate_up, &scratch);
+            RUN_PHASE(7, linear_item, &gate_up);
             const SiluPhase silu = {bf16_io, b->gu, b->act, inter};
-            share_run(&s[8], silu_item, &silu, &scratch);
+            RUN_PHASE(8, silu_item, &silu);
             const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter};
-            share_run(&s[9], linear_item, &down, &scratch);
+            RUN_PHASE(9, linear_item, &down);
         }
         /* x = the last layer's r + z */
         const AddPhase out = {bf16_io, bufs[num_layers - 1].r, bufs[num_layers - 1].z, x, hidden};
