@@ -4,7 +4,7 @@ An ingress replica (router/app.py) — or, without HTTP, a `FrontActor` (cluster
 holds one `Frontend`. For every request it asks the Router (control plane) for a worker
 per phase, calls the workers itself (prefill -> first token + KVTicket -> decode; or one
 `mixed` worker), and reads the tokens from one long-lived `outputs` stream per worker it
-uses (`_Inbox`): the worker sends one list of deltas per engine step for all of this
+uses (`Inbox`, router/inbox.py): the worker sends one list of deltas per engine step for all of this
 front's requests, and the inbox hands each delta to its request. No token passes the
 Router, so it may die or restart under running streams.
 
@@ -24,9 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-
-import ray
+from collections.abc import AsyncIterator
 
 from kvray.actors.messages import Delta, EngineRequest, PrefillResult
 from kvray.actors.worker import WorkerLeavingError
@@ -34,6 +32,7 @@ from kvray.configs import DeploymentConfig
 from kvray.engine import CompletionOutput, SamplingParams
 from kvray.engine.sampling_params import RequestOutputKind
 from kvray.errors import KvrayError
+from kvray.router.inbox import Gone, Inbox, join
 from kvray.router.metrics import RequestStats, RequestTimer
 from kvray.router.policy import prefix_key
 from kvray.router.router import DEAD, NoWorkerError
@@ -61,72 +60,6 @@ class WorkerDiedError(KvrayError):
         return type(self), (str(self), self.worker_id)
 
 
-class _Gone:
-    """Put in a request's mailbox when its worker's stream ends."""
-
-    def __init__(self, worker_id: str, error: BaseException | None):
-        self.worker_id = worker_id
-        self.error = error
-
-
-class _Mailbox:
-    """One request's deltas as they arrive; `take` returns all that are there (waiting for
-    at least one), so a reader that fell behind catches up in one piece."""
-
-    def __init__(self):
-        self.items: list[Delta | _Gone] = []
-        self.ready = asyncio.Event()
-
-    def put(self, item: Delta | _Gone) -> None:
-        self.items.append(item)
-        self.ready.set()
-
-    async def take(self) -> list[Delta | _Gone]:
-        await self.ready.wait()
-        self.ready.clear()
-        items, self.items = self.items, []
-        return items
-
-
-class _Inbox:
-    """One worker's `outputs` stream into this front, split into per-request mailboxes."""
-
-    def __init__(self, front_id: str, worker_id: str, handle, on_close: Callable[[_Inbox], None]):
-        self.worker_id = worker_id
-        self.mailboxes: dict[str, _Mailbox] = {}
-        self.stream = handle.outputs.options(num_returns="streaming").remote(front_id)
-        self.on_close = on_close
-        self.task = asyncio.ensure_future(self._run())
-
-    def register(self, request_id: str) -> _Mailbox:
-        box = self.mailboxes[request_id] = _Mailbox()
-        return box
-
-    def unregister(self, request_id: str) -> None:
-        self.mailboxes.pop(request_id, None)
-
-    async def _run(self) -> None:
-        error = None
-        try:
-            async for ref in self.stream:
-                for delta in await ref:
-                    box = self.mailboxes.get(delta.request_id)
-                    if box is not None:
-                        box.put(delta)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the worker died
-            error = e
-        finally:
-            self.on_close(self)
-            for box in self.mailboxes.values():
-                box.put(_Gone(self.worker_id, error))
-
-    def close(self) -> None:
-        ray.cancel(self.stream)
-        self.task.cancel()
-
-
 class Frontend:
     def __init__(self, router, config: DeploymentConfig, front_id: str, stats: RequestStats | None = None):
         """`router`: a handle to the Router (a Serve deployment handle or an actor handle:
@@ -136,7 +69,7 @@ class Frontend:
         self.front_id = front_id
         self.stats = stats or RequestStats()
         self.block_size = config.engine.get("block_size", 16)
-        self.inboxes: dict[str, _Inbox] = {}
+        self.inboxes: dict[str, Inbox] = {}
         self.num_retries = 0
         # requests now waiting for a worker to join their pool: role -> summed signal -> value
         self.waiting: dict[str, dict[str, float]] = {}
@@ -295,11 +228,11 @@ class Frontend:
                 gone = None
                 while gone is None:
                     items = await _until(box.take(), deadline, req.request_id)
-                    deltas = [d for d in items if not isinstance(d, _Gone)]
-                    gone = next((g for g in items if isinstance(g, _Gone)), None)
+                    deltas = [d for d in items if not isinstance(d, Gone)]
+                    gone = next((g for g in items if isinstance(g, Gone)), None)
                     if deltas:
                         produced = True
-                        delta = _join(deltas)
+                        delta = join(deltas)
                         yield delta
                         if delta.finish_reason is not None:
                             return
@@ -359,13 +292,13 @@ class Frontend:
                 raise NoWorkerError(f"no live {role} worker left")
             return chosen
 
-    def _inbox(self, worker_id: str, handle) -> _Inbox:
+    def _inbox(self, worker_id: str, handle) -> Inbox:
         inbox = self.inboxes.get(worker_id)
         if inbox is None:
-            inbox = self.inboxes[worker_id] = _Inbox(self.front_id, worker_id, handle, self._forget)
+            inbox = self.inboxes[worker_id] = Inbox(self.front_id, worker_id, handle, self._forget)
         return inbox
 
-    def _forget(self, inbox: _Inbox) -> None:
+    def _forget(self, inbox: Inbox) -> None:
         if self.inboxes.get(inbox.worker_id) is inbox:
             del self.inboxes[inbox.worker_id]
 
@@ -376,28 +309,6 @@ async def _until(awaitable, deadline: float, request_id: str):
         return await wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
     except TimeoutError:
         raise RequestTimeoutError(f"request {request_id} passed its deadline") from None
-
-
-def _join(deltas: list[Delta]) -> Delta:
-    """Consecutive deltas of one request as one."""
-    if len(deltas) == 1:
-        return deltas[0]
-    first, last = deltas[0], deltas[-1]
-    logprobs = None
-    if first.logprobs is not None:
-        logprobs = [entry for d in deltas for entry in d.logprobs or []]
-    info: dict = {}
-    for d in deltas:
-        info.update(d.info or {})
-    return Delta(
-        first.request_id,
-        [t for d in deltas for t in d.token_ids],
-        "".join(d.text for d in deltas),
-        logprobs,
-        last.finish_reason,
-        last.stop_reason,
-        info or None,
-    )
 
 
 def _grow(out: CompletionOutput, delta: Delta) -> None:
