@@ -92,15 +92,17 @@ def cluster_tokenizer(engine_args):
     return load_tokenizer(Path(engine_args["model"]))
 
 
+def last(stream):
+    """The last output of a front's `generate` stream (its final RequestOutput)."""
+    out = None
+    for ref in stream:
+        out = ray.get(ref)
+    return out
+
+
 def run_all(cluster, prompts, params=GREEDY):
     streams = [cluster.front.generate.remote(p, params, f"r{i}") for i, p in enumerate(prompts)]
-    finals = []
-    for s in streams:
-        out = None
-        for ref in s:
-            out = ray.get(ref)
-        finals.append(out)
-    return finals
+    return [last(s) for s in streams]
 
 
 def assert_clean(cluster, timeout: float = 10.0):

@@ -19,6 +19,7 @@ from pd_cluster import (  # noqa: E402
     assert_clean,
     cluster_tokenizer,
     deploy,
+    last,
     run_all,
 )
 
@@ -56,12 +57,7 @@ def test_worker_killed_mid_stream_loses_no_request(local_ray, engine_args, disag
         seconds = [(ray.get(next(s)), ray.get(next(s)))[1] for s in streams]  # decoding now
         assert all(not s.finished and len(s.outputs[0].token_ids) >= 2 for s in seconds)
         ray.kill(cluster.workers[victim][1])
-        finals = []
-        for s in streams:
-            out = None
-            for ref in s:
-                out = ray.get(ref)
-            finals.append(out)
+        finals = [last(s) for s in streams]
         assert [f.outputs[0].token_ids for f in finals] == [w.token_ids for w in want]
         assert [f.outputs[0].text for f in finals] == [w.text for w in want]
         text = ray.get(cluster.front.metrics_text.remote()).decode()
