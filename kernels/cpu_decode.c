@@ -76,7 +76,7 @@ static inline void prefetch_next(const char *next, const Cache *c, int64_t r0, i
     for (int64_t r = r0; r < r1; r++) {
         const char *row = next + r * c->token_stride + h * c->head_stride;
         for (uintptr_t line = (uintptr_t)(row + lo) & ~(uintptr_t)63; line < (uintptr_t)(row + hi); line += 64)
-            __builtin_prefetch((const void *)line);
+            prefetch_l2((const void *)line);
     }
 }
 
