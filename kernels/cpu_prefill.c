@@ -7,7 +7,9 @@
  * GEMM micro-kernel does them (ROWS rows x VECS vectors of sums in registers):
  *   scores = q_tile . K^T   over the keys the tile's last row sees, against K packed once
  *                           per call as [kv head][key block][head_dim][KEYS] (a key block
- *                           of K^T, so one vector load is KEYS/VECS keys' same dimension);
+ *                           of K^T, so one vector load is KEYS/VECS keys' same dimension;
+ *                           bf16 where AVX512-BF16 multiplies it: pairs of dimensions,
+ *                           [..][head_dim / 2][KEYS][2], two dimensions a `vdpbf16ps`);
  *   an exact softmax per row (its own causal end; later keys weigh 0), then
  *   out = P . V             against V packed as fp32 [kv head][key][head_dim].
  * Each row's result depends only on its own query and context (never on the tile's other
@@ -105,19 +107,77 @@ static void tile_values(const float *p, int64_t ld, const float *vp, int32_t d, 
     }
 }
 
+/* Where the CPU has AVX512-BF16, a bf16 prefill's scores take `vdpbf16ps` straight from
+ * the bf16 q and K: K^T packed as bf16 pairs [kv head][key block][head_dim / 2][KEYS][2]
+ * (one vector load: 16 keys' same pair of dimensions), q's pair of dimensions broadcast, two
+ * dimensions a multiply (the products exact in fp32, summed in fp32): half the
+ * instructions of widening both to fp32. The values' sums stay fp32. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAIRED_KEYS 1
+
+/* K^T of one kv head, one key block, as bf16 pairs: kp[i][j][e] = k[key0 + j][2i + e] */
+static void pack_keys_bf16(const bf16 *k, int64_t kv_stride, int64_t key0, int64_t kv_len, int32_t h, int32_t d,
+                           bf16 *kp) {
+    for (int j = 0; j < KEYS; j++) {
+        const int64_t key = key0 + j;
+        const bf16 *row = k + key * kv_stride + (int64_t)h * d;
+        for (int32_t i = 0; i < d / 2; i++)
+            for (int e = 0; e < 2; e++) kp[((int64_t)i * KEYS + j) * 2 + e] = key < kv_len ? row[2 * i + e] : 0;
+    }
+}
+
+/* s[r][j] = q[r] . k_j for the tile's `rows` rows of bf16 q (rows q_stride apart; the
+ * tile's other rows score 0) over key blocks [0, nb) of bf16-pair K^T */
+static void tile_scores_bf16(const bf16 *q, int64_t q_stride, int64_t rows, const bf16 *kp, int32_t d, int64_t nb,
+                             float *s, int64_t ld) {
+    for (int64_t b = 0; b < nb; b++) {
+        const bf16 *panel = kp + b * d * KEYS;
+        __m512 acc[ROWS][VECS];
+        for (int r = 0; r < ROWS; r++)
+            for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int32_t i = 0; i < d / 2; i++) {
+            __m512bh kv[VECS];
+            for (int c = 0; c < VECS; c++)
+                kv[c] = (__m512bh)_mm512_loadu_si512(panel + ((int64_t)i * KEYS + c * VW) * 2);
+            for (int r = 0; r < ROWS; r++) {
+                int32_t pair = 0;
+                if (r < rows) memcpy(&pair, q + r * q_stride + 2 * i, sizeof(pair));
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, kv[c]);
+            }
+        }
+        for (int r = 0; r < ROWS; r++)
+            for (int c = 0; c < VECS; c++) _mm512_storeu_ps(s + r * ld + b * KEYS + c * VW, acc[r][c]);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v, int64_t kv_stride,
     void *out, int64_t out_stride, int64_t q_len, int64_t kv_len, int32_t num_q_heads, int32_t num_kv_heads, int32_t d,
     float scale, int32_t num_threads, const int is_bf16) {
     const int32_t group = num_q_heads / num_kv_heads;
     const int64_t nb = (kv_len + KEYS - 1) / KEYS, ld = nb * KEYS, first = kv_len - q_len;
     const int64_t tiles = (q_len + ROWS - 1) / ROWS, items = tiles * num_q_heads;
-    float *kp = malloc(sizeof(float) * num_kv_heads * ld * d);
+#ifdef PAIRED_KEYS
+    const int paired = is_bf16; /* K^T as bf16 pairs, scored by vdpbf16ps */
+#else
+    const int paired = 0;
+#endif
+    void *kp = malloc((paired ? sizeof(bf16) : sizeof(float)) * num_kv_heads * ld * d);
     float *vp = malloc(sizeof(float) * num_kv_heads * kv_len * d);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < num_kv_heads * nb; i++)
-            pack_keys(k, kv_stride, (i % nb) * KEYS, kv_len, (int32_t)(i / nb), d, kp + i * KEYS * d, is_bf16);
+        for (int64_t i = 0; i < num_kv_heads * nb; i++) {
+#ifdef PAIRED_KEYS
+            if (paired) {
+                pack_keys_bf16(k, kv_stride, (i % nb) * KEYS, kv_len, (int32_t)(i / nb), d, (bf16 *)kp + i * KEYS * d);
+                continue;
+            }
+#endif
+            pack_keys(k, kv_stride, (i % nb) * KEYS, kv_len, (int32_t)(i / nb), d, (float *)kp + i * KEYS * d, is_bf16);
+        }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_kv_heads * kv_len; i++)
             pack_values(v, kv_stride, i % kv_len, (int32_t)(i / kv_len), d, vp + i * d, is_bf16);
@@ -130,12 +190,19 @@ static inline __attribute__((always_inline)) void prefill_attention(const void *
             const int32_t head = (int32_t)(item % num_q_heads), h = head / group;
             const int64_t r0 = tile * ROWS, rows = q_len - r0 < ROWS ? q_len - r0 : ROWS;
             const int64_t seen = first + r0 + rows; /* keys the tile's last row sees */
-            memset(qt, 0, sizeof(float) * ROWS * d);
-            for (int64_t r = 0; r < rows; r++)
-                for (int32_t x = 0; x < d; x++)
-                    qt[r * d + x] = element(q, (r0 + r) * q_stride + (int64_t)head * d + x, is_bf16);
             const int64_t blocks = (seen + KEYS - 1) / KEYS;
-            tile_scores(qt, kp + (int64_t)h * ld * d, d, blocks, s, ld);
+#ifdef PAIRED_KEYS
+            if (paired)
+                tile_scores_bf16((const bf16 *)q + r0 * q_stride + (int64_t)head * d, q_stride, rows,
+                                 (const bf16 *)kp + (int64_t)h * ld * d, d, blocks, s, ld);
+#endif
+            if (!paired) {
+                memset(qt, 0, sizeof(float) * ROWS * d);
+                for (int64_t r = 0; r < rows; r++)
+                    for (int32_t x = 0; x < d; x++)
+                        qt[r * d + x] = element(q, (r0 + r) * q_stride + (int64_t)head * d + x, is_bf16);
+                tile_scores(qt, (const float *)kp + (int64_t)h * ld * d, d, blocks, s, ld);
+            }
             float inv[ROWS];
             for (int64_t r = 0; r < ROWS; r++) {
                 float *sr = s + r * ld;
