@@ -121,9 +121,9 @@ static void pack_keys_bf16(const bf16 *k, int64_t kv_stride, int64_t key0, int64
                            bf16 *kp) {
     for (int j = 0; j < KEYS; j++) {
         const int64_t key = key0 + j;
-        const bf16 *row = k + key * kv_stride + (int64_t)h * d;
+        const bf16 *row = key < kv_len ? k + key * kv_stride + (int64_t)h * d : 0;
         for (int32_t i = 0; i < d / 2; i++)
-            for (int e = 0; e < 2; e++) kp[((int64_t)i * KEYS + j) * 2 + e] = key < kv_len ? row[2 * i + e] : 0;
+            for (int e = 0; e < 2; e++) kp[((int64_t)i * KEYS + j) * 2 + e] = row ? row[2 * i + e] : 0;
     }
 }
 
@@ -170,13 +170,14 @@ static inline __attribute__((always_inline)) void prefill_attention(const void *
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_kv_heads * nb; i++) {
-#ifdef PAIRED_KEYS
             if (paired) {
+#ifdef PAIRED_KEYS
                 pack_keys_bf16(k, kv_stride, (i % nb) * KEYS, kv_len, (int32_t)(i / nb), d, (bf16 *)kp + i * KEYS * d);
-                continue;
-            }
 #endif
-            pack_keys(k, kv_stride, (i % nb) * KEYS, kv_len, (int32_t)(i / nb), d, (float *)kp + i * KEYS * d, is_bf16);
+            } else {
+                pack_keys(k, kv_stride, (i % nb) * KEYS, kv_len, (int32_t)(i / nb), d, (float *)kp + i * KEYS * d,
+                          is_bf16);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_kv_heads * kv_len; i++)
@@ -191,12 +192,12 @@ static inline __attribute__((always_inline)) void prefill_attention(const void *
             const int64_t r0 = tile * ROWS, rows = q_len - r0 < ROWS ? q_len - r0 : ROWS;
             const int64_t seen = first + r0 + rows; /* keys the tile's last row sees */
             const int64_t blocks = (seen + KEYS - 1) / KEYS;
+            if (paired) {
 #ifdef PAIRED_KEYS
-            if (paired)
                 tile_scores_bf16((const bf16 *)q + r0 * q_stride + (int64_t)head * d, q_stride, rows,
                                  (const bf16 *)kp + (int64_t)h * ld * d, d, blocks, s, ld);
 #endif
-            if (!paired) {
+            } else {
                 memset(qt, 0, sizeof(float) * ROWS * d);
                 for (int64_t r = 0; r < rows; r++)
                     for (int32_t x = 0; x < d; x++)
