@@ -14,13 +14,20 @@ also prints how many measured prompts were prefilled on a decode worker
     python benchmarks/served_vs_offline.py [--presets smollm2-cpu,smollm2-cpu-pd]
         [--baseline-src DIR]              # also serve the presets from another kvray tree
         [--external NAME=URL[@MODEL] ...] # e.g. llama.cpp=http://127.0.0.1:8091
+        [--rounds N]                      # N rounds, each every row afresh: medians
         [--save FILE.json]
+
+A shared VM's speed drifts 10-30 % between minutes (BENCHMARKS.md), so with `--rounds N`
+every row runs N times, interleaved (round 1: offline, capped, each server; round 2: the
+same ...), each ratio is taken within its round, and the table shows the medians with
+every round's ratio beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import urllib.request
 from pathlib import Path
@@ -95,6 +102,22 @@ def row(name: str, r: dict, base: float) -> str:
     )
 
 
+def summary_row(name: str, tok_s: list[float], bases: list[float], latency: list[dict] | None = None) -> str:
+    """A row of medians over the rounds, each round's ratio (to its own offline run) beside."""
+    ratios = [t / b for t, b in zip(tok_s, bases)]
+    each = f" ({' / '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+    lat = "— | — | — | —"
+    if latency:
+        lat = (
+            f"{statistics.median([r['median_ttft_ms'] for r in latency]) / 1e3:.2f} s | "
+            f"{statistics.median([r['median_itl_ms'] for r in latency]):.0f} ms | "
+            f"{statistics.median([r['p99_itl_ms'] for r in latency]):.0f} ms | "
+            f"{sum(r['completed'] for r in latency)}/{sum(r['num_prompts'] for r in latency)}"
+        )
+    middle = statistics.median(ratios)
+    return f"| {name} | {statistics.median(tok_s):.1f} | **{middle:.2f}**{each} | {lat} |"
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -105,6 +128,7 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="run every row this many times, interleaved")
     parser.add_argument("--save", default=None)
     parser.add_argument("--offline-tok-s", type=float, default=None, help="skip the offline run: use this")
     args = parser.parse_args()
@@ -113,47 +137,69 @@ def main() -> None:
 
     vocab = WordVocab(load_tokenizer(resolve_model_path(MODEL)))
     requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=args.seed), vocab)
-    results: dict[str, dict] = {}
     warm_up = sample_requests("mix", DatasetArgs(num_prompts=args.max_concurrency, seed=args.seed + 1), vocab)
-    base = args.offline_tok_s or offline(requests, warm_up, args.threads)
-    print(f"offline ({args.threads} threads): {base:.1f} useful tok/s", flush=True)
-    # the same engine held to the clients' concurrency: how much of the gap that alone is
-    capped = None if args.offline_tok_s else offline(requests, warm_up, args.threads, args.max_concurrency)
-    for preset in args.presets.split(","):
-        for label, src in (("kvray", None), ("baseline", args.baseline_src)):
-            if label == "baseline" and src is None:
-                continue
+    bases: list[float] = []
+    capped: list[float] = []
+    results: dict[str, list[dict]] = {}
+    servers = [
+        (f"{label} serve {preset}", preset, src)
+        for preset in args.presets.split(",")
+        for label, src in (("kvray", None), ("baseline", args.baseline_src))
+        if label == "kvray" or src
+    ]
+    for n in range(args.rounds):
+        print(f"round {n + 1} of {args.rounds}", flush=True)
+        bases.append(args.offline_tok_s or offline(requests, warm_up, args.threads))
+        print(f"offline ({args.threads} threads): {bases[-1]:.1f} useful tok/s", flush=True)
+        # the same engine held to the clients' concurrency: how much of the gap that alone is
+        if not args.offline_tok_s:
+            capped.append(offline(requests, warm_up, args.threads, args.max_concurrency))
+        for name, preset, src in servers:
+            label = name.split()[0]
             with Server(preset, src, log=f"/tmp/kvray-bench-{label}-{Path(preset).stem}.log") as server:
-                results[f"{label} serve {preset}"] = served(server.url, MODEL, args)
-            print(row(f"{label} serve {preset}", results[f"{label} serve {preset}"], base), flush=True)
-    for spec in args.external:
-        name, _, rest = spec.partition("=")
-        url, _, model = rest.partition("@")
-        results[name] = served(url, model or MODEL, args)
-        print(row(name, results[name], base), flush=True)
+                results.setdefault(name, []).append(served(server.url, MODEL, args))
+            print(row(name, results[name][-1], bases[-1]), flush=True)
+        for spec in args.external:
+            name, _, rest = spec.partition("=")
+            url, _, model = rest.partition("@")
+            results.setdefault(name, []).append(served(url, model or MODEL, args))
+            print(row(name, results[name][-1], bases[-1]), flush=True)
 
     from kvray.engine.dtype import resolve_dtype
 
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     print(f"\n{cpu_banner()}; torch {torch.__version__}; dtype auto -> {dtype}")
     print(f"load: {args.num_prompts} requests, mix (prompts 32-384, outputs 16-160), ignore_eos, greedy, "
-          f"streamed, {args.max_concurrency} concurrent clients\n")  # fmt: skip
+          f"streamed, {args.max_concurrency} concurrent clients; {args.rounds} round(s), medians"
+          f"{' (each round in brackets)' if args.rounds > 1 else ''}\n")  # fmt: skip
     print("| what | useful tok/s | vs offline | TTFT p50 | ITL p50 | ITL p99 | completed |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| kvray offline `LLM.generate`, {args.threads} threads | {base:.1f} | 1.00 | — | — | — | — |")
-    if capped is not None:
-        print(f"| the same, `max_num_seqs={args.max_concurrency}` (the clients' concurrency) | "
-              f"{capped:.1f} | {capped / base:.2f} | — | — | — | — |")  # fmt: skip
-    for name, r in results.items():
-        print(row(name, r, base))
-    for name, r in results.items():
-        if r.get("local_prefills"):
-            local = r["local_prefills"]
-            print(f"\n{name}: {local} of {r['completed']} prompts prefilled on the decode worker")
+    print(summary_row(f"kvray offline `LLM.generate`, {args.threads} threads", bases, bases))
+    if capped:
+        print(
+            summary_row(
+                f"the same, `max_num_seqs={args.max_concurrency}` (the clients' concurrency)", capped, bases
+            )
+        )
+    for name, runs in results.items():
+        print(summary_row(name, [r["output_throughput"] for r in runs], bases, runs))
+    for name, runs in results.items():
+        local = [r["local_prefills"] for r in runs if r.get("local_prefills")]
+        if local:
+            counts = " / ".join(map(str, local))
+            print(f"\n{name}: {counts} of {runs[0]['completed']} prompts prefilled on the decode worker")
     if args.save:
-        slim = {k: {m: v for m, v in r.items() if not isinstance(v, list)} for k, r in results.items()}
+        slim = {
+            k: [{m: v for m, v in r.items() if not isinstance(v, list)} for r in runs]
+            for k, runs in results.items()
+        }
         with open(args.save, "w") as f:
-            saved = {"offline_tok_s": base, "offline_capped_tok_s": capped, "runs": slim, "cpu": cpu_banner()}
+            saved = {
+                "offline_tok_s": bases,
+                "offline_capped_tok_s": capped,
+                "runs": slim,
+                "cpu": cpu_banner(),
+            }
             json.dump(saved, f, indent=1)
 
 

@@ -61,11 +61,9 @@ void kvray_rotary_row_f32(const float *, float *, int64_t, int64_t, const float 
 void kvray_rotary_row_bf16(const bf16 *, bf16 *, int64_t, int64_t, const float *, const float *);
 void kvray_silu_mul_row_f32(const float *, const float *, float *, int64_t);
 void kvray_silu_mul_row_bf16(const bf16 *, const bf16 *, bf16 *, int64_t);
-void kvray_linear_panel_f32(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t,
-                            int64_t, int64_t);
-void kvray_linear_panel_bf16(const bf16 *, int64_t, const bf16 *, const bf16 *, bf16 *, int64_t, int64_t, int64_t,
-                             int64_t, int64_t);
-int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
+int64_t kvray_linear_items(int64_t n, int64_t m, int bf16_io, int32_t num_threads);
+void kvray_linear_item(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
+                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i);
 
 int64_t kvray_share_redo_ns = 50000;
 
@@ -96,21 +94,19 @@ double kvray_phase_seconds[PHASES];
 #define RUN_PHASE(j, fn, arg) share_run(&s[j], fn, arg, &scratch)
 #endif
 
-/* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a panel */
+/* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a range of
+ * neighbouring panels (kvray_linear_items: one, or at one bf16 row several read at once) */
 typedef struct {
     int bf16_io;
     const void *x, *w, *b;
     void *out;
-    int64_t m, n, k;
+    int64_t m, n, k, items;
 } LinearPhase;
 
-static void linear_item(const void *phase, void *scratch, int64_t p) {
+static void linear_item(const void *phase, void *scratch, int64_t i) {
     const LinearPhase *c = phase;
     (void)scratch;
-    if (c->bf16_io)
-        kvray_linear_panel_bf16(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, p);
-    else
-        kvray_linear_panel_f32(c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, p);
+    kvray_linear_item(c->bf16_io, c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, c->items, i);
 }
 
 /* sum = src + res (where res is given), out = RMSNorm(that) * weight; an item is a row */
@@ -267,9 +263,9 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                               hidden};
     int64_t per_layer = 0, parts_total = 0, flags_total = 0;
     for (size_t j = 0; j < sizeof widths / sizeof widths[0]; j++) per_layer += widths[j] * rows * size;
-    const int64_t panels_qkv = kvray_linear_num_panels(qkv_width, bf16_io);
-    const int64_t panels_hidden = kvray_linear_num_panels(hidden, bf16_io);
-    const int64_t panels_gu = kvray_linear_num_panels(2 * inter, bf16_io);
+    const int64_t items_qkv = kvray_linear_items(qkv_width, rows, bf16_io, num_threads);
+    const int64_t items_hidden = kvray_linear_items(hidden, rows, bf16_io, num_threads); /* o and down */
+    const int64_t items_gu = kvray_linear_items(2 * inter, rows, bf16_io, num_threads);
     const int64_t num_shares = PHASES * num_layers + 1;
     Share *shares = aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
     memset(shares, 0, sizeof(Share) * num_shares);
@@ -278,8 +274,8 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         parts_total += plan->num_parts * plan->per_part;
         /* the merge has nothing to do where no sequence is split into spans */
         const int64_t merges = plan->num_parts ? num_seqs : 0;
-        const int64_t items[PHASES] = {rows,          panels_qkv, rows,      plan->num_items, merges,
-                                       panels_hidden, rows,       panels_gu, rows,            panels_hidden};
+        const int64_t items[PHASES] = {rows,         items_qkv, rows,     plan->num_items, merges,
+                                       items_hidden, rows,      items_gu, rows,            items_hidden};
         /* in runs of neighbours (cpu_share.h), but for attention's items: the plan orders
          * them longest first, and one at a time evens out the threads best */
         for (int j = 0; j < PHASES; j++)
@@ -322,7 +318,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
                                        l->input_norm, hidden, sh->eps};
             RUN_PHASE(0, norm_item, &norm_in);
-            const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden};
+            const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden, items_qkv};
             RUN_PHASE(1, linear_item, &qkv);
             const RopePhase rope = {bf16_io, b->qkv, b->qk, sh, l, cos, sin, slots};
             RUN_PHASE(2, rope_item, &rope);
@@ -331,16 +327,17 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                                        sh->num_q_heads, quant, bf16_io};
             RUN_PHASE(3, attend_item, &attend);
             RUN_PHASE(4, merge_item, &attend);
-            const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width};
+            const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width, items_hidden};
             RUN_PHASE(5, linear_item, &o);
             /* r = x_in + y, h2 = RMSNorm(r) */
             const NormPhase norm_post = {bf16_io, b->x_in, b->y, b->r, b->h2, l->post_norm, hidden, sh->eps};
             RUN_PHASE(6, norm_item, &norm_post);
-            const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu, rows, 2 * inter, hidden};
+            const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu,
+                                         rows,    2 * inter, hidden,           items_gu};
             RUN_PHASE(7, linear_item, &gate_up);
             const SiluPhase silu = {bf16_io, b->gu, b->act, inter};
             RUN_PHASE(8, silu_item, &silu);
-            const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter};
+            const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter, items_hidden};
             RUN_PHASE(9, linear_item, &down);
         }
         /* x = the last layer's r + z */

@@ -70,6 +70,47 @@ typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *,
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn TILES[MAX_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
+/* One row of x over `streams` (up to STREAMS_F32) neighbouring panels at once, each
+ * panel's sums as tile() makes them (the same bits): at one row a single stream leaves one
+ * core too few lines in flight (as tile_bf16_streams below) */
+#define STREAMS_F32 6 /* 12 accumulators: AVX2 has 16 registers */
+static inline __attribute__((always_inline)) void tile_f32_streams(const float *x, const float *panel, int64_t k,
+                                                                   float *out, const float *bias, int64_t cols_left,
+                                                                   const int streams) {
+    v8 acc[STREAMS_F32][2];
+    for (int s = 0; s < streams; s++) acc[s][0] = acc[s][1] = (v8){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float xv = x[kk];
+        const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+        for (int s = 0; s < streams; s++) {
+            const float *w = panel + (s * k + kk) * PANEL;
+            acc[s][0] += xb * load8(w);
+            acc[s][1] += xb * load8(w + 8);
+        }
+    }
+    for (int s = 0; s < streams; s++) {
+        const int64_t left = cols_left - s * PANEL;
+        const float *b = bias ? bias + s * PANEL : 0;
+        float *o = out + s * PANEL;
+        if (left >= PANEL) {
+            store8(o, acc[s][0] + (b ? load8(b) : (v8){0}));
+            store8(o + 8, acc[s][1] + (b ? load8(b + 8) : (v8){0}));
+        } else {
+            for (int c = 0; c < left; c++) o[c] = (c < 8 ? acc[s][0][c] : acc[s][1][c - 8]) + (b ? b[c] : 0.0f);
+        }
+    }
+}
+
+typedef void (*streams_f32_fn)(const float *, const float *, int64_t, float *, const float *, int64_t);
+#define STREAMS_F(S)                                                                                           \
+    static void streams_f32_##S(const float *x, const float *panel, int64_t k, float *out, const float *bias, \
+                                int64_t cols_left) {                                                          \
+        tile_f32_streams(x, panel, k, out, bias, cols_left, S);                                               \
+    }
+STREAMS_F(2) STREAMS_F(3) STREAMS_F(4) STREAMS_F(5) STREAMS_F(6)
+static const streams_f32_fn STREAMS_F32_FNS[STREAMS_F32 + 1] = {0, 0, streams_f32_2, streams_f32_3,
+                                                                streams_f32_4, streams_f32_5, streams_f32_6};
+
 /* Panel p of out = x W^T (+ b), for all m rows */
 void kvray_linear_panel_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
                             int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p) {
@@ -179,6 +220,62 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* One row of x over `streams` (up to STREAMS_BF16) neighbouring panels at once, each panel's
+ * sums as tile_bf16 makes them (one accumulator per sum, over k in order: the same bits).
+ * At one row a tile does little with each line it reads, and one core reading a single
+ * stream keeps too few lines in flight: reading 8 panels side by side, a SmolLM2 decode
+ * step's layers at one row took 6.1 -> 5.3 ms on a Zen 4 (BENCHMARKS.md, single stream).
+ * At 2-4 rows it gained nothing there, so only one row takes it. Each stream also asks for
+ * its lines STREAM_AHEAD bytes ahead, into L2 (6.2 -> 6.0 ms, and 5.0 -> 4.7 where the VM's
+ * memory was fast; 512 or 2048 bytes ahead did less). */
+#define STREAMS_BF16 8
+#define STREAM_AHEAD 1024 /* bytes: how far ahead of its reads a stream prefetches */
+static inline __attribute__((always_inline)) void tile_bf16_streams(const bf16 *x, const bf16 *panel, int64_t pairs,
+                                                                    bf16 *out, const bf16 *bias, int64_t cols_left,
+                                                                    const int streams) {
+    __m512 acc[STREAMS_BF16][2];
+    const int64_t stride = pairs * 2 * PANEL_BF16; /* between panels (elements) */
+    for (int s = 0; s < streams; s++) acc[s][0] = acc[s][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
+        int32_t pair;
+        memcpy(&pair, x + 2 * j, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int s = 0; s < streams; s++) {
+            const bf16 *w = panel + s * stride + j * 2 * PANEL_BF16;
+            if (!(j & 1)) /* the 256 bytes this stream reads in the next two pairs, STREAM_AHEAD on */
+                for (int line = 0; line < 4; line++) prefetch_l2((const char *)w + STREAM_AHEAD + 64 * line);
+            acc[s][0] = _mm512_dpbf16_ps(acc[s][0], xb, (__m512bh)_mm512_loadu_si512(w));
+            acc[s][1] = _mm512_dpbf16_ps(acc[s][1], xb, (__m512bh)_mm512_loadu_si512(w + PANEL_BF16));
+        }
+    }
+    for (int s = 0; s < streams; s++) {
+        float sums[PANEL_BF16];
+        _mm512_storeu_ps(sums, acc[s][0]);
+        _mm512_storeu_ps(sums + 16, acc[s][1]);
+        const int64_t left = cols_left - s * PANEL_BF16;
+        store_tile_bf16(sums, 1, left < PANEL_BF16 ? (int)left : PANEL_BF16, bias ? bias + s * PANEL_BF16 : 0,
+                        out + s * PANEL_BF16, 0);
+    }
+}
+
+typedef void (*streams_bf16_fn)(const bf16 *, const bf16 *, int64_t, bf16 *, const bf16 *, int64_t);
+#define STREAMS(S)                                                                                          \
+    static void streams_bf16_##S(const bf16 *x, const bf16 *panel, int64_t pairs, bf16 *out, const bf16 *bias, \
+                                 int64_t cols_left) {                                                      \
+        tile_bf16_streams(x, panel, pairs, out, bias, cols_left, S);                                       \
+    }
+STREAMS(2) STREAMS(3) STREAMS(4) STREAMS(5) STREAMS(6) STREAMS(7) STREAMS(8)
+static const streams_bf16_fn STREAMS_BF16_FNS[STREAMS_BF16 + 1] = {
+    0, 0, streams_bf16_2, streams_bf16_3, streams_bf16_4, streams_bf16_5, streams_bf16_6, streams_bf16_7,
+    streams_bf16_8};
+#define HAS_STREAMS_BF16 1
+#define STREAMS_MAX_BF16 STREAMS_BF16
+#else
+#define HAS_STREAMS_BF16 0
+#define STREAMS_MAX_BF16 1
+#endif
+
 typedef void (*tile_bf16_fn)(const bf16 *, int64_t, const bf16 *, int64_t, bf16 *, int64_t, const bf16 *, int,
                              const char *, int64_t);
 
@@ -223,24 +320,68 @@ void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_pane
     }
 }
 
+/* A linear's items, each a range of neighbouring panels: one panel each, but for one row,
+ * where an item is up to STREAMS_BF16 (bf16) or STREAMS_F32 panels read side by side
+ * (tile_bf16_streams, tile_f32_streams), their number a multiple of the threads so that
+ * the threads get even shares. */
+int64_t kvray_linear_items(int64_t n, int64_t m, int bf16_io, int32_t num_threads) {
+    const int64_t panels = kvray_linear_num_panels(n, bf16_io);
+    const int64_t streams = bf16_io ? (HAS_STREAMS_BF16 ? STREAMS_MAX_BF16 : 1) : STREAMS_F32;
+    if (m != 1 || streams == 1) return panels;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    int64_t items = (panels + streams - 1) / streams;
+    items = (items + threads - 1) / threads * threads;
+    return items < panels ? items : panels;
+}
+
+/* item i of `items` (kvray_linear_items): panels [i * panels / items, (i + 1) * panels / items) */
+void kvray_linear_item(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias,
+                       void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i) {
+    const int64_t panels = kvray_linear_num_panels(n, bf16_io);
+    const int64_t p0 = i * panels / items, p1 = (i + 1) * panels / items;
+    if (!bf16_io) {
+        if (m == 1 && p1 - p0 > 1) {
+            const float *b = bias ? (const float *)bias + p0 * PANEL : 0;
+            STREAMS_F32_FNS[p1 - p0](x, (const float *)w_panels + p0 * k * PANEL, k, (float *)out + p0 * PANEL, b,
+                                     n - p0 * PANEL);
+            return;
+        }
+        for (int64_t p = p0; p < p1; p++)
+            kvray_linear_panel_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
+        return;
+    }
+#if HAS_STREAMS_BF16
+    if (m == 1 && p1 - p0 > 1) {
+        const bf16 *b = bias ? (const bf16 *)bias + p0 * PANEL_BF16 : 0;
+        STREAMS_BF16_FNS[p1 - p0](x, (const bf16 *)w_panels + p0 * k * PANEL_BF16, k / 2,
+                                  (bf16 *)out + p0 * PANEL_BF16, b, n - p0 * PANEL_BF16);
+        return;
+    }
+#endif
+    for (int64_t p = p0; p < p1; p++)
+        kvray_linear_panel_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
+}
+
 /* the panels of an n-column output (fp32 or bf16 panels) */
 int64_t kvray_linear_num_panels(int64_t n, int bf16_io) {
     return bf16_io ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL;
 }
 
 /* out = x W^T (+ b), the panels shared out among the threads */
+static void linear(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
+                   int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
+    const int64_t items = kvray_linear_items(n, m, bf16_io, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < items; i++)
+        kvray_linear_item(bf16_io, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
+}
+
 void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
                       int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
-    const int64_t panels = kvray_linear_num_panels(n, 0);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        kvray_linear_panel_f32(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
+    linear(0, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
 }
 
 void kvray_linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
-    const int64_t panels = kvray_linear_num_panels(n, 1);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        kvray_linear_panel_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
+    linear(1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
 }

@@ -167,14 +167,16 @@ def test_linear_bf16_against_float64(rows, n, k):
     assert cpu_native.to_panels(weight[:, :-1]) is None  # an odd k: not this kernel's
 
 
-def test_linear_bf16_rows_do_not_depend_on_the_rows_beside_them():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_rows_do_not_depend_on_the_rows_beside_them(dtype):
     """A row's result is bitwise the same alone and among up to 17 (batch-invariant): each
-    sum runs over k in one order at any tile height, so a token decoded alone and the same
-    token among a verification's drafts round alike."""
+    sum runs over k in one order at any tile height, and a row alone (read over several
+    panels at once) sums as a row among others, so a token decoded alone and the same token
+    among a verification's drafts round alike."""
     gen = torch.Generator().manual_seed(7)
-    for n, k in ((960, 576), (1536, 576), (576, 1536)):
-        panels = cpu_native.to_panels(_bf16(n, k, gen=gen, scale=k**-0.5))
-        x = _bf16(17, k, gen=gen)
+    for n, k in ((960, 576), (1536, 576), (576, 1536), (130, 1536)):
+        panels = cpu_native.to_panels(_bf16(n, k, gen=gen, scale=k**-0.5).to(dtype))
+        x = _bf16(17, k, gen=gen).to(dtype)
         alone = torch.cat([cpu_native.linear(x[i : i + 1], panels, None) for i in range(17)])
         for rows in (2, 3, 5, 9, 17):
             assert torch.equal(cpu_native.linear(x[:rows], panels, None), alone[:rows]), (n, k, rows)
