@@ -12,7 +12,12 @@ measures, in one run:
   same prompt, prefix caching off) and its fraction of the limit, in `--rounds` rounds:
   a VM's read bandwidth moves between minutes (28 to 66 GB/s within an hour on one 2-core
   VM, BENCHMARKS.md), so each round's limit comes from the bandwidth measured just before
-  and just after its decode, not from one measurement minutes away;
+  and just after its decode, not from one measurement minutes away. On these VMs memory
+  reads ~1.8x faster some 10-20 s after it was first touched than right after (the host
+  backs the guest's fresh pages small, then merges them: a buffer summed every few seconds
+  goes from ~36 to ~65 GB/s, and the model's weights with it), so the rounds start
+  `--settle` seconds (30) after the model and the buffer were allocated: the state a
+  running server is in;
 - where a step's time goes (torch.profiler over decode steps at batch 1; the native CPU
   kernels, the fused decode layers among them, are timed by wall clock around their calls).
 
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="decode runs, each between two bandwidth runs")
+    parser.add_argument("--settle", type=float, default=30.0, help="seconds to wait before measuring")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -140,6 +146,7 @@ def main() -> None:
     prefill = min(timed(llm, prompt, 1) for _ in range(3))
     weights, kv = step_bytes(llm, args.prompt_tokens + args.new_tokens // 2)
     buffer = torch.rand((1 << 30) // 4)  # 1 GiB
+    time.sleep(args.settle)  # memory reads faster once the VM's host has settled its pages (docstring)
     rounds = []  # (decode tok/s, read bandwidth around it)
     before = read_bandwidth(buffer)
     for _ in range(args.rounds):
