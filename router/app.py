@@ -401,6 +401,7 @@ class OpenAIIngress:
         try:
             params = req.to_params()
             prompts = self._prompts(req)
+            self._check_room(req, params, prompts)
             tools = self._tool_parser(req) if chat else None
         except InvalidArgumentError as e:
             raise APIError.invalid(e) from None
@@ -420,6 +421,18 @@ class OpenAIIngress:
                 sample = params if i == 0 else _replace(params, seed=seed)
                 jobs.append((f"{rid}-{p * req.n + i}", prompt, sample, req.request_timeout_s))
         return req, builder, jobs
+
+    def _check_room(self, req, params, prompts: list[list[int]]) -> None:
+        """As vLLM's server: a `max_tokens` that the longest prompt leaves no room for in
+        the context is a 400, not a completion cut short at `max_model_len`."""
+        limit, longest = self.limits["max_model_len"], max(len(ids) for ids in prompts)
+        if params.max_tokens is not None and longest + params.max_tokens > limit:
+            field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise InvalidArgumentError(
+                field,
+                params.max_tokens,
+                f"at most {limit - longest} for a prompt of {longest} tokens (max_model_len {limit})",
+            )
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:

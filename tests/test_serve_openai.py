@@ -203,6 +203,12 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, http)
     _error(post("/v1/completions", json={"model": MODEL}), 400, "prompt")
     _error(post("/v1/completions", json={**good, "prompt": [999999]}), 400, "prompt")
     _error(post("/v1/completions", json={**good, "prompt": "hi " * 600}), 400, "prompt")
+    # no room in the context (max_model_len 512) for the completion asked for
+    err = _error(post("/v1/completions", json={**good, "prompt": [42] * 500, "max_tokens": 13}), 400)
+    assert err["param"] == "max_tokens" and "at most 12 for a prompt of 500 tokens" in err["message"], err
+    assert post("/v1/completions", json={**good, "prompt": [42] * 500, "max_tokens": 12}).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 600}
+    _error(post("/v1/chat/completions", json=chat), 400, "max_completion_tokens")
     _error(post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400, "messages")
     _error(post("/v1/completions", json={**good, "model": "gpt-4"}), 404, "model")
     err = _error(httpx.post(f"{server}/v1/completions", json=good), 401)
