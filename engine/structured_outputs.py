@@ -34,7 +34,10 @@ FORMATS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """Exactly one of: a JSON schema (dict or its JSON text), a regex, a list of choices,
     a grammar (Lark or GBNF/EBNF, llama.cpp's form), or `json_object` (any JSON object).
-    `disable_any_whitespace`: JSON without free whitespace between tokens."""
+    `disable_any_whitespace`: JSON without free whitespace between tokens.
+    `disable_additional_properties`: a schema's objects that do not say otherwise take
+    only their listed properties (as vLLM's option of that name; JSON Schema's default,
+    kept without it, lets a model add keys of its own after them)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -42,6 +45,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         given = [f for f in FORMATS if getattr(self, f) not in (None, False)]
@@ -64,7 +68,8 @@ class StructuredOutputsParams:
         """Names the grammar: equal keys, the same compiled grammar."""
         value = getattr(self, self.kind)
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-        return f"{self.kind}:{int(self.disable_any_whitespace)}:{text}"
+        flags = f"{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}"
+        return f"{self.kind}:{flags}:{text}"
 
 
 class GrammarCompiler:
@@ -178,6 +183,8 @@ def _grammar_text(llguidance, params: StructuredOutputsParams) -> str:
         schema = json.loads(schema) if isinstance(schema, str) else schema
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema is an object")
+        if kind == "json" and params.disable_additional_properties:
+            schema = closed_objects(schema)
         overrides = {"whitespace_flexible": False} if params.disable_any_whitespace else None
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=overrides)
     if kind == "choice":
@@ -185,6 +192,35 @@ def _grammar_text(llguidance, params: StructuredOutputsParams) -> str:
     if kind == "regex":
         return llguidance.grammar_from("regex", params.regex)
     return llguidance.grammar_from("grammar", params.grammar)
+
+
+# where a JSON schema holds subschemas: one, a list of them, or a name -> subschema map
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_ONE += ("propertyNames", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """A copy of the JSON schema in which every object schema that says nothing of
+    `additionalProperties` has it false (its listed properties only)."""
+    if not isinstance(schema, dict):
+        return schema  # true / false schemas
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _short(value) -> str:

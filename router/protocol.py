@@ -68,6 +68,7 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(
@@ -77,6 +78,7 @@ class StructuredOutputsRequest(BaseModel):
             grammar=self.grammar,
             json_object=self.json_object,
             disable_any_whitespace=self.disable_any_whitespace,
+            disable_additional_properties=self.disable_additional_properties,
         )
 
 

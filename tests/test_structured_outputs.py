@@ -19,7 +19,7 @@ from structured_schemas import PROMPT, SCHEMAS
 
 from kvray.engine import LLM, AsyncLLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from kvray.engine.sampler import Sampler, SampleRow
-from kvray.engine.structured_outputs import apply_token_bitmask
+from kvray.engine.structured_outputs import apply_token_bitmask, closed_objects
 from kvray.errors import InvalidArgumentError
 
 
@@ -93,6 +93,51 @@ def test_every_schema_holds(llm, temperature):
             assert c.finish_reason == "stop", (name, c.text)
             jsonschema.validate(json.loads(c.text), SCHEMAS[name])
     assert len(llm.engine.grammars) >= len(names)  # each compiled once, cached
+
+
+def test_closed_objects_closes_every_object_that_does_not_say():
+    open_ = {"type": "object", "properties": {"a": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "person": open_,
+            "tags": {"type": "array", "items": open_},
+            "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "properties": {"type": "string"},  # a property named like the keyword
+        },
+        "anyOf": [open_, {"type": "string"}],
+        "$defs": {"d": {"properties": {"b": {"type": "integer"}}}},
+    }
+    closed = closed_objects(schema)
+    shut = {**open_, "additionalProperties": False}
+    assert closed == {
+        "type": "object",
+        "properties": {
+            "person": shut,
+            "tags": {"type": "array", "items": shut},
+            "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "properties": {"type": "string"},
+        },
+        "anyOf": [shut, {"type": "string"}],
+        "$defs": {"d": {"properties": {"b": {"type": "integer"}}, "additionalProperties": False}},
+        "additionalProperties": False,
+    }
+    assert "additionalProperties" not in schema and "additionalProperties" not in open_  # a copy
+
+
+def test_disable_additional_properties_keeps_to_the_listed_keys(llm):
+    """vLLM's `disable_additional_properties`: an object schema that does not forbid other
+    keys gets only its own (without it, SmolLM2 goes on adding keys of its own)."""
+    schema = {k: v for k, v in SCHEMAS["object"].items() if k != "additionalProperties"}
+    so = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    assert so.key() != StructuredOutputsParams(json=schema).key()  # compiled apart
+    for temperature in (0.0, 0.8):
+        n = 1 if temperature == 0 else 2
+        params = SamplingParams(max_tokens=160, temperature=temperature, seed=5, n=n, structured_outputs=so)
+        (out,) = llm.generate([PROMPT], params)
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), SCHEMAS["object"])  # the closed schema
 
 
 def test_regex_choice_grammar_and_json_object(llm):
