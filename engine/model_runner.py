@@ -317,7 +317,10 @@ class ModelRunner:
                 self.sampler.forget(rid)
         if not plan.samples:
             return StepResult([], [], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(plan.logit_rows, device=dev)])
+        # the rows that sample, in order, each once: all of them in a decode step (no gather)
+        rows = plan.logit_rows
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
+        logits = self.model.compute_logits(picked)
         if spec.rank != spec.sampler_rank:
             return None
         if plan.drafts is None:

@@ -147,7 +147,10 @@ static inline __attribute__((always_inline)) __m512 load16_row(const char *row, 
 
 /* acc[g][0:32] (+)= sum_t p[g][t] s_t v_t[0:32] for a KV head's `group` query heads (acc
  * rows head_dim apart, p rows n apart) over `rows` value rows token_stride bytes apart,
- * starting at element x0 (s_t: an int8 row's scale, else 1) */
+ * starting at element x0 (s_t: an int8 row's scale, else 1). A bf16 cache's rows widen as
+ * their even elements then their odd ones (two instructions for 32, not four), so its
+ * acc[g][0:32] holds elements x0, x0 + 2, ..., x0 + 30, x0 + 1, ..., x0 + 31: the same
+ * sums, in that order until `unshuffle_acc` (attend_span's end). */
 static inline __attribute__((always_inline)) void add_values32(float *acc, int32_t d, const char *v, int32_t x0,
                                                                int64_t token_stride, int64_t rows, const float *p,
                                                                int64_t n, const int group, int fresh, const int quant) {
@@ -157,7 +160,15 @@ static inline __attribute__((always_inline)) void add_values32(float *acc, int32
     for (int64_t t = 0; t < rows; t++) {
         const char *row = v + t * token_stride;
         const float vs = quant == INT8 ? row_scale(row, d) : 1.0f;
-        const __m512 vv[2] = {load16_row(row, x0, quant), load16_row(row, x0 + 16, quant)};
+        __m512 vv[2];
+        if (quant == BF16) { /* 32 bf16 as one load: the low halves (even elements), then the high */
+            const __m512i pairs = _mm512_loadu_si512((const bf16 *)row + x0);
+            vv[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            vv[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+        } else {
+            vv[0] = load16_row(row, x0, quant);
+            vv[1] = load16_row(row, x0 + 16, quant);
+        }
         for (int g = 0; g < group; g++) {
             const __m512 pg = _mm512_set1_ps(p[g * n + t] * vs);
             for (int s = 0; s < 2; s++) a[g][s] = _mm512_fmadd_ps(pg, vv[s], a[g][s]);
@@ -165,6 +176,16 @@ static inline __attribute__((always_inline)) void add_values32(float *acc, int32
     }
     for (int g = 0; g < group; g++)
         for (int s = 0; s < 2; s++) _mm512_storeu_ps(acc + g * d + 16 * s, a[g][s]);
+}
+/* a bf16 cache's accumulators (add_values32) back in element order, 32 at a time */
+static inline void unshuffle_acc(float *acc, int64_t n) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t x = 0; x < n; x += 32) {
+        const __m512 even = _mm512_loadu_ps(acc + x), odd = _mm512_loadu_ps(acc + x + 16);
+        _mm512_storeu_ps(acc + x, _mm512_permutex2var_ps(even, lo, odd));
+        _mm512_storeu_ps(acc + x + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
 }
 #else /* the same two, 8 floats at a time */
 static inline __attribute__((always_inline)) v8 dots8(const float *q, const float *const k[8], int32_t d) {
@@ -333,6 +354,9 @@ static inline __attribute__((always_inline)) void attend_span(const Cache *c, co
             }
         }
     }
+#ifdef FAST_X16
+    if (quant == BF16) unshuffle_acc(acc + (int64_t)h0 * group * d, (int64_t)(h1 - h0) * group * d);
+#endif
 }
 
 /* one instantiation per (group, quant): both are constants inside attend_span */
