@@ -35,8 +35,8 @@ class StructuredOutputsParams:
     """Exactly one of: a JSON schema (dict or its JSON text), a regex, a list of choices,
     a grammar (Lark or GBNF/EBNF, llama.cpp's form), or `json_object` (any JSON object).
     `disable_any_whitespace`: JSON without free whitespace between tokens.
-    `disable_additional_properties`: a schema's objects that do not say otherwise take
-    only their listed properties (as vLLM's option of that name; JSON Schema's default,
+    `disable_additional_properties`: a schema's objects that list properties and do not
+    say otherwise take only those (as vLLM's option of that name; JSON Schema's default,
     kept without it, lets a model add keys of its own after them)."""
 
     json: str | dict | None = None
@@ -202,8 +202,8 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 
 
 def closed_objects(schema):
-    """A copy of the JSON schema in which every object schema that says nothing of
-    `additionalProperties` has it false (its listed properties only)."""
+    """A copy of the JSON schema in which every object schema that lists properties and
+    says nothing of `additionalProperties` has it false (its listed properties only)."""
     if not isinstance(schema, dict):
         return schema  # true / false schemas
     out = dict(schema)
@@ -216,9 +216,10 @@ def closed_objects(schema):
     for key in _MAP:
         if isinstance(out.get(key), dict):
             out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    types = out.get("type")
-    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out
-    if is_object and "additionalProperties" not in out:
+    # only where it lists keys, as vLLM: a bare {"type": "object"} stays free-form, and an
+    # object made of anyOf / allOf / $ref parts, closed itself, would take no key at all
+    lists_keys = "properties" in out or "patternProperties" in out
+    if lists_keys and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 

@@ -104,6 +104,8 @@ def test_closed_objects_closes_every_object_that_does_not_say():
             "tags": {"type": "array", "items": open_},
             "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
             "properties": {"type": "string"},  # a property named like the keyword
+            "meta": {"type": "object"},  # free-form: lists no keys, stays open
+            "either": {"type": "object", "anyOf": [open_, {"patternProperties": {"^x": {}}}]},
         },
         "anyOf": [open_, {"type": "string"}],
         "$defs": {"d": {"properties": {"b": {"type": "integer"}}}},
@@ -117,6 +119,11 @@ def test_closed_objects_closes_every_object_that_does_not_say():
             "tags": {"type": "array", "items": shut},
             "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
             "properties": {"type": "string"},
+            "meta": {"type": "object"},
+            "either": {  # the parts close, not the object made of them (it would take no key)
+                "type": "object",
+                "anyOf": [shut, {"patternProperties": {"^x": {}}, "additionalProperties": False}],
+            },
         },
         "anyOf": [shut, {"type": "string"}],
         "$defs": {"d": {"properties": {"b": {"type": "integer"}}, "additionalProperties": False}},
