@@ -48,6 +48,7 @@ from kvray.router.api_error import APIError
 from kvray.router.autoscaling import publish_waiting
 from kvray.router.direct_http import DirectHTTP
 from kvray.router.frontend import Frontend, RequestTimeoutError
+from kvray.router.ingest import Ingest
 from kvray.router.openapi import openapi_body, openapi_schemas
 from kvray.router.pools import pool_deployment
 from kvray.router.protocol import (
@@ -61,7 +62,6 @@ from kvray.router.protocol import (
 from kvray.router.responses import ResponseBuilder, Usage
 from kvray.router.router_deployment import RouterDeployment
 from kvray.router.streams import all_or_none, merge, sse
-from kvray.router.tool_calls import ToolCallParser, parser_for_template
 
 logger = logging.getLogger(__name__)
 PRESETS = Path(__file__).resolve().parent.parent / "configs"
@@ -189,8 +189,8 @@ class OpenAIIngress:
         self.router = router  # the control plane: which workers serve a request
         self.limits = await router.model_info.remote()
         self.tokenizer = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
-        template = getattr(self.tokenizer, "chat_template", None)
-        self.tool_call_parser = self.config.tool_call_parser or parser_for_template(template)
+        parser = self.config.tool_call_parser
+        self.ingest = Ingest(self.tokenizer, self.limits, self.config.model_name, parser)
         self.num_in_flight = 0
         self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
         deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
@@ -266,11 +266,11 @@ class OpenAIIngress:
         """vLLM's shape: a prompt or chat messages -> {count, max_model_len, tokens, token_strs}."""
         self._check_auth(request)
         req = validate_body(TokenizeRequest, await self._read_json(request))
-        self._check_model(req.model)
+        self.ingest.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt", code="invalid_value")
         if req.messages is not None:
-            text = self._chat_text(
+            text = self.ingest.chat_text(
                 req.messages, req.tools, req.add_generation_prompt, req.continue_final_message
             )
             ids = self.tokenizer(text, add_special_tokens=bool(req.add_special_tokens)).input_ids
@@ -289,7 +289,7 @@ class OpenAIIngress:
     async def detokenize(self, request: Request) -> dict:
         self._check_auth(request)
         req = validate_body(DetokenizeRequest, await self._read_json(request))
-        self._check_model(req.model)
+        self.ingest.check_model(req.model)
         vocab = self.limits["vocab_size"]
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens: ids in [0, {vocab - 1}]", param="tokens", code="invalid_value")
@@ -397,12 +397,12 @@ class OpenAIIngress:
     def _prepare(self, body: dict, chat: bool):
         """Validate and tokenize: (request, response builder, [(request id, token ids, params)])."""
         req = parse_request(body, chat)
-        self._check_model(req.model)
+        self.ingest.check_model(req.model)
         try:
             params = req.to_params()
-            prompts = self._prompts(req)
-            self._check_room(req, params, prompts)
-            tools = self._tool_parser(req) if chat else None
+            prompts = self.ingest.prompts(req)
+            self.ingest.check_room(req, params.max_tokens, prompts)
+            tools = self.ingest.tool_parser(req) if chat else None
         except InvalidArgumentError as e:
             raise APIError.invalid(e) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -421,64 +421,6 @@ class OpenAIIngress:
                 sample = params if i == 0 else _replace(params, seed=seed)
                 jobs.append((f"{rid}-{p * req.n + i}", prompt, sample, req.request_timeout_s))
         return req, builder, jobs
-
-    def _check_room(self, req, params, prompts: list[list[int]]) -> None:
-        """As vLLM's server: a `max_tokens` that the longest prompt leaves no room for in
-        the context is a 400, not a completion cut short at `max_model_len`."""
-        limit, longest = self.limits["max_model_len"], max(len(ids) for ids in prompts)
-        if params.max_tokens is not None and longest + params.max_tokens > limit:
-            field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-            raise InvalidArgumentError(
-                field,
-                params.max_tokens,
-                f"at most {limit - longest} for a prompt of {longest} tokens (max_model_len {limit})",
-            )
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise APIError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-
-    def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
-        mode = req.tool_mode
-        if mode == "none":
-            return None
-        function = req.forced_function()
-        return ToolCallParser(mode, self.tool_call_parser, function.name if function else None)
-
-    def _chat_text(
-        self, messages, tools, add_generation_prompt: bool = True, continue_final: bool = False
-    ) -> str:
-        """The conversation through the model's chat template (tools, if any, in it too)."""
-        conversation = [m.for_template() for m in messages]
-        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
-        return self.tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final,
-            continue_final_message=continue_final,
-            **extra,
-        )
-
-    def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
-        if isinstance(req, ChatCompletionRequest):
-            text = self._chat_text(req.messages, req.tools if req.tool_mode != "none" else None)
-            prompts = [(text, self.tokenizer(text, add_special_tokens=False).input_ids)]
-        else:
-            raw = req.prompt
-            if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-                raw = [raw]
-            if not raw:
-                raise InvalidArgumentError("prompt", req.prompt, "a non-empty prompt")
-            prompts = [(p, self.tokenizer(p).input_ids) if isinstance(p, str) else (None, p) for p in raw]
-        limit, vocab = self.limits["max_model_len"], self.limits["vocab_size"]
-        for _, ids in prompts:
-            if not ids:
-                raise InvalidArgumentError("prompt", ids, "at least 1 token")
-            if len(ids) >= limit:
-                raise InvalidArgumentError("prompt", f"<{len(ids)} tokens>", f"fewer than {limit} tokens")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise InvalidArgumentError("prompt", "token ids", f"ids in [0, {vocab - 1}]")
-        return [ids for _, ids in prompts]
 
     async def _outputs(self, rid: str, prompt_token_ids: list[int], params, timeout_s: float | None = None):
         """One engine request's cumulative CompletionOutput after every delta; leaving
