@@ -5,7 +5,7 @@ LM head) plus the request's K/V, so its speed is bounded by memory bandwidth. Th
 measures, in one run:
 
 - the machine's read bandwidth: the best of several sums over a buffer far larger than
-  the caches, with torch's threads;
+  the caches (in huge-page memory, as the model's weights are), with torch's threads;
 - the bytes one decode step reads (weights from the loaded model, K/V at the context
   length reached);
 - kvray's single-stream decode rate (time of a 1+N token generation minus a 1-token one,
@@ -131,6 +131,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from kvray.engine import LLM
+    from kvray.kernels.cpu_memory import huge_page_zeros
     from kvray.models.loader import resolve_model_path
 
     llm = LLM(
@@ -145,7 +146,9 @@ def main() -> None:
     timed(llm, prompt[:16], 8)  # warm up
     prefill = min(timed(llm, prompt, 1) for _ in range(3))
     weights, kv = step_bytes(llm, args.prompt_tokens + args.new_tokens // 2)
-    buffer = torch.rand((1 << 30) // 4)  # 1 GiB
+    # 1 GiB in huge-page memory, as the weights are (kvray.kernels.cpu_memory): the best the
+    # machine reads, so the limit is not flattered by small pages' TLB misses
+    buffer = huge_page_zeros(((1 << 30) // 4,), torch.float32).uniform_()
     time.sleep(args.settle)  # memory reads faster once the VM's host has settled its pages (docstring)
     rounds = []  # (decode tok/s, read bandwidth around it)
     before = read_bandwidth(buffer)

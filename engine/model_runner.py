@@ -26,6 +26,7 @@ from kvray.engine.sampler import Sampler, SamplerOutput, SampleRow
 from kvray.engine.scheduler import SchedulerOutput
 from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
+from kvray.kernels.cpu_memory import huge_page_zeros
 from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
 from kvray.models.cpu_linear import pack_model
 from kvray.models.layers import head_dim_of
@@ -156,8 +157,13 @@ class ModelRunner:
         # One tensor for every layer's K and V, so a KV transfer packs or unpacks all
         # layers' blocks in one indexing op; each layer's caches are views of it. An
         # 8-bit cache's rows carry their scales (kv_quant.py): the views are strided.
+        # On a CPU in huge-page memory (kernels/cpu_memory.py: decode attention reads it
+        # block by block), its pages taken as blocks are first written.
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.row_width)
-        self.kv_cache = torch.zeros(shape, dtype=self.cache_storage_dtype, device=device)
+        if device.type == "cpu":
+            self.kv_cache = huge_page_zeros(shape, self.cache_storage_dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.cache_storage_dtype, device=device)
         self.kv_caches = [self._layer_kv(i) for i in range(self.num_layers)]
         self._forget: list[str] = []
 
