@@ -8,8 +8,8 @@ measures, in one run:
   the caches (in huge-page memory, as the model's weights are), with torch's threads;
 - the bytes one decode step reads (weights from the loaded model, K/V at the context
   length reached);
-- kvray's single-stream decode rate (time of a 1+N token generation minus a 1-token one,
-  same prompt, prefix caching off) and its fraction of the limit, in `--rounds` rounds:
+- kvray's single-stream decode rate (a 1+N token generation's first-to-last token time,
+  prefix caching off) and its fraction of the limit, in `--rounds` rounds:
   a VM's read bandwidth moves between minutes (28 to 66 GB/s within an hour on one 2-core
   VM, BENCHMARKS.md), so each round's limit comes from the bandwidth measured just before
   and just after its decode, not from one measurement minutes away. On these VMs memory
@@ -65,6 +65,17 @@ def timed(llm, prompt: list[int], new_tokens: int) -> float:
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}], params)
     return time.perf_counter() - start
+
+
+def decode_rate(llm, prompt: list[int], new_tokens: int) -> float:
+    """Tokens a second after the first of a 1 + `new_tokens` generation: its first-to-last
+    token time (the engine's own clock, so the prompt's prefill is not in it, whatever
+    speed the machine had when it ran)."""
+    from kvray.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1 + new_tokens, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    return new_tokens / out.metrics.decode_time
 
 
 def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
@@ -153,7 +164,7 @@ def main() -> None:
     rounds = []  # (decode tok/s, read bandwidth around it)
     before = read_bandwidth(buffer)
     for _ in range(args.rounds):
-        rate = args.new_tokens / (timed(llm, prompt, 1 + args.new_tokens) - prefill)
+        rate = decode_rate(llm, prompt, args.new_tokens)
         after = read_bandwidth(buffer)
         rounds.append((rate, (before + after) / 2))
         before = after

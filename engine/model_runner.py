@@ -293,6 +293,42 @@ class ModelRunner:
         """This shard's part of a step; the StepResult on the sampling rank, else None."""
         dev = self.device
         spec = self.spec
+        hidden = self._native_decode_step(plan)
+        if hidden is None:
+            hidden = self._forward(plan)
+        if hidden is None:  # not the last stage
+            return None
+        if spec.rank == spec.sampler_rank:
+            for rid in plan.forget:
+                self.sampler.forget(rid)
+        if not plan.samples:
+            return StepResult([], [], [])
+        # the rows that sample, in order, each once: all of them in a decode step (no gather)
+        rows = plan.logit_rows
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
+        logits = self.model.compute_logits(picked)
+        if spec.rank != spec.sampler_rank:
+            return None
+        if plan.drafts is None:
+            return StepResult.plain(plan.request_ids, self.sampler(logits, plan.samples))
+        verified = verify(self.sampler, logits, plan.samples, plan.drafts)
+        return StepResult(plan.request_ids, verified.token_ids, verified.logprobs)
+
+    def _native_decode_step(self, plan: StepPlan) -> torch.Tensor | None:
+        """A CPU step of one token a sequence, no drafts, one shard: token ids to the last
+        layer's hidden states in one native call where the model takes it (its own
+        `decode_step`), without the attention metadata's tensors and plan; else None."""
+        if self.device.type != "cpu" or self.spec.world_size != 1 or plan.drafts is not None:
+            return None
+        if len(plan.query_lens) != len(plan.input_ids) or not plan.input_ids:
+            return None
+        return self.model.decode_step(plan, self.kv_caches)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """The step through this shard's modules: the hidden states on the last stage, else
+        None (sent on to the next stage)."""
+        dev = self.device
+        spec = self.spec
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.int64, device=dev),
             cu_seqlens_q=torch.tensor([0, *_cumsum(plan.query_lens)], dtype=torch.int32, device=dev),
@@ -318,21 +354,7 @@ class ModelRunner:
         if not spec.is_last_stage:
             dist.send(hidden.contiguous(), dst=spec.stage_peer(spec.pp_rank + 1))
             return None
-        if spec.rank == spec.sampler_rank:
-            for rid in plan.forget:
-                self.sampler.forget(rid)
-        if not plan.samples:
-            return StepResult([], [], [])
-        # the rows that sample, in order, each once: all of them in a decode step (no gather)
-        rows = plan.logit_rows
-        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
-        logits = self.model.compute_logits(picked)
-        if spec.rank != spec.sampler_rank:
-            return None
-        if plan.drafts is None:
-            return StepResult.plain(plan.request_ids, self.sampler(logits, plan.samples))
-        verified = verify(self.sampler, logits, plan.samples, plan.drafts)
-        return StepResult(plan.request_ids, verified.token_ids, verified.logprobs)
+        return hidden
 
 
 def _sample_rows(req, drafts: list[int]) -> list[SampleRow]:

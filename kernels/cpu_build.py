@@ -106,6 +106,13 @@ def library() -> ctypes.CDLL | None:
     layers_args = [ptr, i32, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32]
     for fn in (lib.kvray_decode_layers_f32, lib.kvray_decode_layers_bf16):
         fn.restype, fn.argtypes = None, layers_args
+    # layers, their count, shape, x, rows, embedding, vocab, tokens, cos and sin tables,
+    # max positions; then positions, slots, block tables, their stride, seq_lens, q rows,
+    # num_seqs, threads
+    step_args = [ptr, i32, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64]
+    step_args += [ptr, ptr, ptr, i64, ptr, ptr, i32, i32]
+    for fn in (lib.kvray_decode_step_f32, lib.kvray_decode_step_bf16):
+        fn.restype, fn.argtypes = i32, step_args
     # q, its row stride, k, v, their row stride, out, its row stride, q_len, kv_len,
     # num_q_heads, num_kv_heads, head_dim, scale, threads
     prefill_args = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32, i32, i32, f32, i32]

@@ -355,6 +355,45 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     free(plan_of);
 }
 
+/* A decode step from its tokens: x's rows the embedding's rows of `tokens` ([vocab, hidden],
+ * the model's dtype), each row's RoPE angles the tables' rows at its position ([max_positions,
+ * head_dim / 2] fp32), then every layer as below. One call for what were a dozen torch ops
+ * and their tensors a step (~0.25 ms of a 1-row step's ~6.5: BENCHMARKS.md, single stream).
+ * Returns 0, or -1 with nothing done where a token or a position lies outside its table. */
+static int decode_step(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *sh, void *x, int64_t rows,
+                       const void *embed, int64_t vocab, const int64_t *tokens, const float *cos_table,
+                       const float *sin_table, int64_t max_positions, const int64_t *positions, const int64_t *slots,
+                       const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                       const int64_t *q_rows, int32_t num_seqs, int32_t num_threads, int bf16_io) {
+    const int64_t half = sh->head_dim / 2, row_bytes = sh->hidden * (bf16_io ? 2 : 4);
+    for (int64_t r = 0; r < rows; r++)
+        if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -1;
+    float *cos = malloc(sizeof(float) * 2 * rows * half), *sin = cos + rows * half;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy((char *)x + r * row_bytes, (const char *)embed + tokens[r] * row_bytes, row_bytes);
+        memcpy(cos + r * half, cos_table + positions[r] * half, sizeof(float) * half);
+        memcpy(sin + r * half, sin_table + positions[r] * half, sizeof(float) * half);
+    }
+    decode_layers(layers, num_layers, sh, x, rows, cos, sin, slots, block_tables, table_stride, seq_lens, q_rows,
+                  num_seqs, num_threads, bf16_io);
+    free(cos);
+    return 0;
+}
+
+#define DECODE_STEP(SUFFIX, T, BF16)                                                                                 \
+    int kvray_decode_step_##SUFFIX(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *shape, T *x,    \
+                                   int64_t rows, const T *embed, int64_t vocab, const int64_t *tokens,               \
+                                   const float *cos_table, const float *sin_table, int64_t max_positions,            \
+                                   const int64_t *positions, const int64_t *slots, const int32_t *block_tables,      \
+                                   int64_t table_stride, const int32_t *seq_lens, const int64_t *q_rows,             \
+                                   int32_t num_seqs, int32_t num_threads) {                                          \
+        return decode_step(layers, num_layers, shape, x, rows, embed, vocab, tokens, cos_table, sin_table,           \
+                           max_positions, positions, slots, block_tables, table_stride, seq_lens, q_rows, num_seqs,   \
+                           num_threads, BF16);                                                                       \
+    }
+DECODE_STEP(f32, float, 0)
+DECODE_STEP(bf16, bf16, 1)
+
 /* x [rows, hidden]: the residual stream into the first layer, out of the last; cos, sin
  * [rows, head_dim / 2] fp32; slots [rows]: each row's cache slot; block_tables, seq_lens,
  * q_rows: the step's decode rows as kvray_paged_decode_* takes them */

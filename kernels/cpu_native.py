@@ -356,3 +356,37 @@ def decode_layers(
         torch.get_num_threads(),
     )
     return x
+
+
+def decode_step(
+    layers: ctypes.Array,
+    shape: DecodeShape,
+    embed: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    tokens: list[int],
+    positions: list[int],
+    slots: list[int],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+) -> torch.Tensor | None:
+    """A decode step from its tokens in one call (kernels/cpu_layer.c): the embedding's rows
+    (embed [vocab, hidden], contiguous, the layers' dtype), the RoPE tables' rows (fp32
+    [max_positions, head_dim / 2] each) and every layer; the residual stream out of the last
+    layer [T, hidden], or None where a token or a position is outside its table. One row a
+    sequence (every row a decode row), block tables padded to one width; the step's plan
+    built here from Python lists, no tensors."""
+    rows = len(tokens)
+    order = sorted(range(rows), key=seq_lens.__getitem__)  # ascending (kvray_decode_plan)
+    width = len(block_tables[0])
+    i32, i64 = ctypes.c_int32, ctypes.c_int64
+    tables = (i32 * (rows * width))(*(b for r in order for b in block_tables[r]))
+    lens = (i32 * rows)(*(seq_lens[r] for r in order))
+    cos, sin = rope
+    x = torch.empty(rows, shape.hidden, dtype=embed.dtype)
+    status = getattr(library(), f"kvray_decode_step_{_suffix(embed.dtype)}")(
+        ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), rows,
+        embed.data_ptr(), embed.shape[0], (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+        (i64 * rows)(*positions), (i64 * rows)(*slots), tables, width, lens, (i64 * rows)(*order), rows,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return x if status == 0 else None

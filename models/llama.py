@@ -175,6 +175,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache, backend, meta)
         return x
 
+    def decode_step(self, plan, kv_caches: list[LayerKV]) -> torch.Tensor | None:
+        """A CPU decode step of one token a sequence (`plan`: the runner's StepPlan) from its
+        token ids to the last layer's hidden states in one native call (native_decode), or
+        None where the model or the step does not qualify: `forward` then runs it."""
+        native = native_decode.for_model(self, kv_caches)
+        if native is None or not hasattr(self, "embed_tokens"):
+            return None
+        return native.step(self.embed_tokens.weight, self.rotary, plan)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] (pre-norm) -> fp32 logits [B, vocab] (last stage; every
         tensor rank of it takes part in the gather)."""

@@ -13,6 +13,12 @@ qualifies: fp32 or bf16 on a CPU, no tensor parallelism, every linear in the nat
 panels, a KV cache in the model's dtype or int8 (`kv_cache_dtype="int8"`: the new K/V
 quantized as kv_quant.quantize does it, bit for bit) with heads the decode kernel takes.
 `KVRAY_FUSED_DECODE=0` turns it off (the modules then run as before).
+
+The runner's decode steps go one further (`step`, by way of `LlamaForCausalLM.decode_step`,
+one shard only): from the plan's token ids, positions, slots and block tables as Python
+lists, the embedding's rows, the RoPE tables' rows and every layer are one native call,
+without the attention metadata's tensors, the backend's plan, the embedding and table
+lookups as torch ops (~0.15-0.25 ms of a one-row step's ~6.5 ms, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -105,6 +111,26 @@ class NativeDecode:
             rows.block_tables,
             rows.seq_lens,
             rows.rows,
+        )
+
+    def step(self, embed: torch.Tensor, rotary, plan) -> torch.Tensor | None:
+        """A decode step from its tokens (`plan`: a StepPlan of one token a sequence): the
+        embedding, RoPE tables and every layer in one call; the hidden states out of the
+        last layer, or None where it does not qualify (the caller then runs the modules)."""
+        if len(plan.input_ids) > cpu_native.LINEAR_ROWS[self.dtype] or embed.dtype != self.dtype:
+            return None
+        if not (embed.is_contiguous() and rotary.cos.is_contiguous() and rotary.sin.is_contiguous()):
+            return None
+        return cpu_native.decode_step(
+            self.layers,
+            self.shape,
+            embed,
+            (rotary.cos, rotary.sin),
+            plan.input_ids,
+            plan.positions,
+            plan.slot_mapping,
+            plan.block_tables,
+            plan.seq_lens,
         )
 
 

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from kvray.engine import LLM, SamplingParams
 from kvray.engine.dtype import cpu_has_native_bf16
+from kvray.engine.model_runner import StepPlan
 from kvray.kernels import cpu_native
 from kvray.kernels.backend import LayerKV
 from kvray.kernels.kv_quant import QUANTS, SCALE_BYTES, split_cache
@@ -69,16 +70,23 @@ def _model(path, dtype):
 
 
 def _count_fused(monkeypatch):
-    """The rows of each step the fused layers ran (0: a step they declined)."""
+    """The rows of each step the fused layers ran (0: a step they declined), from the
+    modules' hidden states (`run`) or from the step's tokens (`step`, the runner's path)."""
     rows = []
-    real = native_decode.NativeDecode.run
+    real_run, real_step = native_decode.NativeDecode.run, native_decode.NativeDecode.step
 
     def run(self, x, rope, meta):
-        out = real(self, x, rope, meta)
+        out = real_run(self, x, rope, meta)
         rows.append(x.shape[0] if out is not None else 0)
         return out
 
+    def step(self, embed, rotary, plan):
+        out = real_step(self, embed, rotary, plan)
+        rows.append(len(plan.input_ids) if out is not None else 0)
+        return out
+
     monkeypatch.setattr(native_decode.NativeDecode, "run", run)
+    monkeypatch.setattr(native_decode.NativeDecode, "step", step)
     return rows
 
 
@@ -105,6 +113,42 @@ def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
     modules = _kvray_logits(_model(path, torch.bfloat16), config, ids, [18, 18], dtype=torch.bfloat16)
     assert ((fused - modules).abs().max() / modules.abs().max()).item() < 2e-2, name
     assert torch.equal(fused.argmax(-1), modules.argmax(-1)), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(saved_model, monkeypatch, dtype):
+    """The runner's one-call decode step (the embedding's rows, the RoPE tables' rows and
+    every layer, from the plan's lists) gives what the model's forward gives through the
+    same fused layers, bit for bit, step after step of a batch; a token or a position
+    outside its table declines it (None: the modules then raise or run it)."""
+    if dtype == "bfloat16" and not cpu_has_native_bf16():
+        pytest.skip("bf16 runs natively only where the CPU multiplies it")
+    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
+    name, path, _ = saved_model
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    real = runner._native_decode_step
+    same = []
+
+    def both(plan):
+        out = real(plan)
+        if out is not None:
+            same.append(torch.equal(out, runner._forward(plan)))  # writes the same K/V again
+        return out
+
+    monkeypatch.setattr(runner, "_native_decode_step", both)
+    lengths = (5, 37, 70)
+    prompts = [{"prompt_token_ids": list(range(3 + 40 * i, 3 + 40 * i + n))} for i, n in enumerate(lengths)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert len(same) >= 7 and all(same), (name, same)
+    native, model = native_decode.for_model(runner.model, runner.kv_caches), runner.model
+    plan = StepPlan([256], [0], [0], [1], [1], [[0]], [0], [], [])  # token 256: past the vocabulary
+    assert native.step(model.embed_tokens.weight, model.rotary, plan) is None
+    plan.input_ids, plan.positions = [5], [256]  # past max_model_len's RoPE tables
+    assert native.step(model.embed_tokens.weight, model.rotary, plan) is None
+    plan.positions = [0]
+    assert native.step(model.embed_tokens.weight, model.rotary, plan) is not None
+    assert_no_leaks(llm)
 
 
 def test_fused_bf16_rows_do_not_depend_on_the_step_around_them(saved_model, monkeypatch):
