@@ -81,10 +81,13 @@ def capture_step(rows: int, context: int, dtype: str = "auto") -> tuple:
         return real(layers, shape, x, *tensors)
 
     cpu_native.decode_layers = grab
+    runner = llm.engine.runner
+    runner._native_decode_step = lambda plan: None  # the modules' path: its fused call takes tensors
     try:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     finally:
         cpu_native.decode_layers = real
+        del runner._native_decode_step
     if not captured:
         raise SystemExit(f"no fused decode step of {rows} rows ran (too many rows for the fused layers?)")
     return llm, captured  # the engine holds the weights and caches the captured pointers name

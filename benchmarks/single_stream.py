@@ -4,20 +4,19 @@ One request at a time: a decode step reads every weight once (30 layers' linears
 LM head) plus the request's K/V, so its speed is bounded by memory bandwidth. This
 measures, in one run:
 
-- the machine's read bandwidth: the best of several sums over a buffer far larger than
-  the caches (in huge-page memory, as the model's weights are), with torch's threads;
+- the machine's read bandwidth: sums over a buffer far larger than the caches (in
+  huge-page memory, as the model's weights are), with torch's threads;
 - the bytes one decode step reads (weights from the loaded model, K/V at the context
   length reached);
-- kvray's single-stream decode rate (a 1+N token generation's first-to-last token time,
-  prefix caching off) and its fraction of the limit, in `--rounds` rounds:
-  a VM's read bandwidth moves between minutes (28 to 66 GB/s within an hour on one 2-core
-  VM, BENCHMARKS.md), so each round's limit comes from the bandwidth measured just before
-  and just after its decode, not from one measurement minutes away. On these VMs memory
-  reads ~1.8x faster some 10-20 s after it was first touched than right after (the host
-  backs the guest's fresh pages small, then merges them: a buffer summed every few seconds
-  goes from ~36 to ~65 GB/s, and the model's weights with it), so the rounds start
-  `--settle` seconds (30) after the model and the buffer were allocated: the state a
-  running server is in;
+- kvray's single-stream decode rate (a 1+N token generation driven step by step, its
+  decode steps timed, prefix caching off) and its fraction of the limit, in `--rounds`
+  rounds. These VMs' read bandwidth moves on a scale of seconds (34 GB/s most of the
+  time on the 2-core Zen 4, with bursts of a few seconds at ~65, BENCHMARKS.md), so each
+  round samples it between its decode steps, one sum every 16 steps, and its limit comes
+  from the mean of those samples: the bandwidth the decode had, not a burst before or
+  after it. Memory also read faster some 10-20 s after it was first touched, so the
+  rounds start `--settle` seconds (30) after the model and the buffer were allocated: the
+  state a running server is in;
 - where a step's time goes (torch.profiler over decode steps at batch 1; the native CPU
   kernels, the fused decode layers among them, are timed by wall clock around their calls).
 
@@ -67,15 +66,30 @@ def timed(llm, prompt: list[int], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def decode_rate(llm, prompt: list[int], new_tokens: int) -> float:
-    """Tokens a second after the first of a 1 + `new_tokens` generation: its first-to-last
-    token time (the engine's own clock, so the prompt's prefill is not in it, whatever
-    speed the machine had when it ran)."""
+def interleaved_round(llm, buffer: torch.Tensor, prompt: list[int], new_tokens: int, every: int = 16):
+    """(decode tok/s, read bandwidth at the same moments): one 1 + `new_tokens` generation
+    driven step by step, its decode steps timed one by one, and one pass over `buffer`
+    every `every` of them, between steps (not timed as decode). On these VMs the read
+    bandwidth comes in bursts of a few seconds (34 -> 65 GB/s and back, BENCHMARKS.md), so a
+    limit from sums before and after a decode can come from a burst the decode never saw."""
     from kvray.engine import SamplingParams
 
+    engine = llm.engine
+    request_id = f"round-{time.monotonic_ns()}"
     params = SamplingParams(temperature=0.0, max_tokens=1 + new_tokens, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
-    return new_tokens / out.metrics.decode_time
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    engine.step()  # the prompt, to its first token
+    while engine.last_step.num_batched_tokens != 1:
+        engine.step()
+    decode, steps, samples = 0.0, 1, [read_bandwidth(buffer, reps=1)]  # that step was a decode step
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        decode += time.perf_counter() - start
+        steps += 1
+        if steps % every == 0:
+            samples.append(read_bandwidth(buffer, reps=1))
+    return (steps - 1) / decode, sum(samples) / len(samples)
 
 
 def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
@@ -157,17 +171,11 @@ def main() -> None:
     timed(llm, prompt[:16], 8)  # warm up
     prefill = min(timed(llm, prompt, 1) for _ in range(3))
     weights, kv = step_bytes(llm, args.prompt_tokens + args.new_tokens // 2)
-    # 1 GiB in huge-page memory, as the weights are (kvray.kernels.cpu_memory): the best the
-    # machine reads, so the limit is not flattered by small pages' TLB misses
-    buffer = huge_page_zeros(((1 << 30) // 4,), torch.float32).uniform_()
+    # 256 MB (8x the L3) in huge-page memory, as the weights are (kvray.kernels.cpu_memory):
+    # what the machine reads at its best, the limit not flattered by small pages' TLB misses
+    buffer = huge_page_zeros(((1 << 28) // 4,), torch.float32).uniform_()
     time.sleep(args.settle)  # memory reads faster once the VM's host has settled its pages (docstring)
-    rounds = []  # (decode tok/s, read bandwidth around it)
-    before = read_bandwidth(buffer)
-    for _ in range(args.rounds):
-        rate = decode_rate(llm, prompt, args.new_tokens)
-        after = read_bandwidth(buffer)
-        rounds.append((rate, (before + after) / 2))
-        before = after
+    rounds = [interleaved_round(llm, buffer, prompt, args.new_tokens) for _ in range(args.rounds)]
     del buffer
 
     print(
@@ -180,7 +188,7 @@ def main() -> None:
     )
     print()
     print(
-        f"| round | read bandwidth (best sum over 1 GiB, {args.threads} threads; before and after, mean) "
+        f"| round | read bandwidth (a sum over 256 MB every 16 decode steps, {args.threads} threads; mean) "
         "| single-stream decode | weight-read limit (bandwidth ÷ bytes a step) | of the limit |"
     )
     print("|---|---|---|---|---|")
