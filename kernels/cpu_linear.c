@@ -221,36 +221,38 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-/* One row of x over `streams` (up to STREAMS_BF16) neighbouring panels, each panel's sums as
- * tile_bf16 makes them (one accumulator per sum, over k in order: the same bits). At one
- * row a tile does little with each line it reads, and what holds a core back is how many
- * lines it keeps in flight. The panels are one run of memory, read front to back a panel at
- * a time, each line asked for STREAM_AHEAD bytes before it is read, into L2. Measured on
- * the 2-core Zen 4 (huge pages, 2 threads, 200 MB of panels, interleaved runs): 68-73
- * GB/s where a plain sum read 62-67 and the panels read 8 side by side, each prefetched
- * 1 KB ahead (the kernel before), 60-64; as fast as the sum where memory was slow (36-38).
- * At 2-4 rows it gained nothing, so only one row takes it. */
+/* One row of x over `streams` (up to STREAMS_BF16) neighbouring panels at once, each panel's
+ * sums as tile_bf16 makes them (one accumulator per sum, over k in order: the same bits).
+ * At one row a tile does little with each line it reads, and one core reading a single
+ * stream keeps too few lines in flight: reading 8 panels side by side, a SmolLM2 decode
+ * step's layers at one row took 6.1 -> 5.3 ms on a Zen 4 (BENCHMARKS.md, single stream).
+ * At 2-4 rows it gained nothing there, so only one row takes it. Each stream also asks for
+ * its lines STREAM_AHEAD bytes ahead, into L2 (6.2 -> 6.0 ms, and 5.0 -> 4.7 where the VM's
+ * memory was fast; 512 or 2048 bytes ahead did less). */
 #define STREAMS_BF16 8
-#define STREAM_AHEAD 2048 /* bytes */
+#define STREAM_AHEAD 1024 /* bytes: how far ahead of its reads a stream prefetches */
 static inline __attribute__((always_inline)) void tile_bf16_streams(const bf16 *x, const bf16 *panel, int64_t pairs,
                                                                     bf16 *out, const bf16 *bias, int64_t cols_left,
                                                                     const int streams) {
-    for (int s = 0; s < streams; s++) {
-        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-        const bf16 *p = panel + s * pairs * 2 * PANEL_BF16;
-        for (int64_t j = 0; j < pairs; j++) {
-            int32_t pair;
-            memcpy(&pair, x + 2 * j, sizeof(pair));
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            const bf16 *w = p + j * 2 * PANEL_BF16; /* the panel's pair j: two lines */
-            prefetch_l2((const char *)w + STREAM_AHEAD);
-            prefetch_l2((const char *)w + STREAM_AHEAD + 64);
-            lo = _mm512_dpbf16_ps(lo, xb, (__m512bh)_mm512_loadu_si512(w));
-            hi = _mm512_dpbf16_ps(hi, xb, (__m512bh)_mm512_loadu_si512(w + PANEL_BF16));
+    __m512 acc[STREAMS_BF16][2];
+    const int64_t stride = pairs * 2 * PANEL_BF16; /* between panels (elements) */
+    for (int s = 0; s < streams; s++) acc[s][0] = acc[s][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
+        int32_t pair;
+        memcpy(&pair, x + 2 * j, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        for (int s = 0; s < streams; s++) {
+            const bf16 *w = panel + s * stride + j * 2 * PANEL_BF16;
+            if (!(j & 1)) /* the 256 bytes this stream reads in the next two pairs, STREAM_AHEAD on */
+                for (int line = 0; line < 4; line++) prefetch_l2((const char *)w + STREAM_AHEAD + 64 * line);
+            acc[s][0] = _mm512_dpbf16_ps(acc[s][0], xb, (__m512bh)_mm512_loadu_si512(w));
+            acc[s][1] = _mm512_dpbf16_ps(acc[s][1], xb, (__m512bh)_mm512_loadu_si512(w + PANEL_BF16));
         }
+    }
+    for (int s = 0; s < streams; s++) {
         float sums[PANEL_BF16];
-        _mm512_storeu_ps(sums, lo);
-        _mm512_storeu_ps(sums + 16, hi);
+        _mm512_storeu_ps(sums, acc[s][0]);
+        _mm512_storeu_ps(sums + 16, acc[s][1]);
         const int64_t left = cols_left - s * PANEL_BF16;
         store_tile_bf16(sums, 1, left < PANEL_BF16 ? (int)left : PANEL_BF16, bias ? bias + s * PANEL_BF16 : 0,
                         out + s * PANEL_BF16, 0);
