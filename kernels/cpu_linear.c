@@ -228,8 +228,12 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
  * step's layers at one row took 6.1 -> 5.3 ms on a Zen 4 (BENCHMARKS.md, single stream).
  * At 2-4 rows it gained nothing there, so only one row takes it. Each stream also asks for
  * its lines STREAM_AHEAD bytes ahead, into L2 (6.2 -> 6.0 ms, and 5.0 -> 4.7 where the VM's
- * memory was fast; 512 or 2048 bytes ahead did less). */
-#define STREAMS_BF16 8
+ * memory was fast; 512 or 2048 bytes ahead did less). Three side by side beat eight (likely: the
+ * items smaller, the threads' shares more even, fewer prefetches competing for the core's
+ * miss buffers): a 1-row step 5.58 -> 5.31 ms where memory read fast, 7.13 -> 6.84 where
+ * it read slow (ABBA, each pair bucketed by the bandwidth around it); 2 streams 4 % slower
+ * than 3, 4 streams 1 % (BENCHMARKS.md, single stream). */
+#define STREAMS_BF16 3
 #define STREAM_AHEAD 1024 /* bytes: how far ahead of its reads a stream prefetches */
 static inline __attribute__((always_inline)) void tile_bf16_streams(const bf16 *x, const bf16 *panel, int64_t pairs,
                                                                     bf16 *out, const bf16 *bias, int64_t cols_left,
@@ -265,10 +269,8 @@ typedef void (*streams_bf16_fn)(const bf16 *, const bf16 *, int64_t, bf16 *, con
                                  int64_t cols_left) {                                                      \
         tile_bf16_streams(x, panel, pairs, out, bias, cols_left, S);                                       \
     }
-STREAMS(2) STREAMS(3) STREAMS(4) STREAMS(5) STREAMS(6) STREAMS(7) STREAMS(8)
-static const streams_bf16_fn STREAMS_BF16_FNS[STREAMS_BF16 + 1] = {
-    0, 0, streams_bf16_2, streams_bf16_3, streams_bf16_4, streams_bf16_5, streams_bf16_6, streams_bf16_7,
-    streams_bf16_8};
+STREAMS(2) STREAMS(3)
+static const streams_bf16_fn STREAMS_BF16_FNS[STREAMS_BF16 + 1] = {0, 0, streams_bf16_2, streams_bf16_3};
 #define HAS_STREAMS_BF16 1
 #define STREAMS_MAX_BF16 STREAMS_BF16
 #else
