@@ -100,7 +100,7 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
     from kvray.kernels import cpu_native
 
     wrapped = {}
-    for name in ("paged_decode", "rms_norm", "rotary_", "linear", "decode_layers"):
+    for name in ("paged_decode", "rms_norm", "rotary_", "linear", "decode_layers", "decode_step"):
         real = wrapped[name] = getattr(cpu_native, name)
 
         def call(*a, _real=real, _name=name, **k):
@@ -126,8 +126,8 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
         setattr(cpu_native, name, real)
     parts: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
-        if e.key.startswith("native::decode_layers"):
-            parts["every layer, fused (native: matmuls, attention, norms)"] += e.self_cpu_time_total
+        if e.key.startswith(("native::decode_layers", "native::decode_step")):
+            parts["every layer, fused (native: embedding, matmuls, attention)"] += e.self_cpu_time_total
         elif e.key.startswith("native::paged_decode"):
             parts["attention (native kernel)"] += e.self_cpu_time_total
         elif e.key.startswith("native::linear"):
