@@ -28,6 +28,7 @@ from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
 from kvray.kernels.cpu_memory import huge_page_zeros
 from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
+from kvray.kernels.torch_backend import TorchBackend
 from kvray.models.cpu_linear import pack_model
 from kvray.models.layers import head_dim_of
 from kvray.models.loader import build_model
@@ -315,12 +316,15 @@ class ModelRunner:
         return StepResult(plan.request_ids, verified.token_ids, verified.logprobs)
 
     def _native_decode_step(self, plan: StepPlan) -> torch.Tensor | None:
-        """A CPU step of one token a sequence, no drafts, one shard: token ids to the last
-        layer's hidden states in one native call where the model takes it (its own
-        `decode_step`), without the attention metadata's tensors and plan; else None."""
+        """A CPU step of one token a sequence, no drafts, one shard, the torch attention
+        backend (whose decode rows the fused layers are): token ids to the last layer's
+        hidden states in one native call where the model takes it (its own `decode_step`),
+        without the attention metadata's tensors and plan; else None."""
         if self.device.type != "cpu" or self.spec.world_size != 1 or plan.drafts is not None:
             return None
-        if len(plan.query_lens) != len(plan.input_ids) or not plan.input_ids:
+        if not isinstance(self.backend, TorchBackend) or not plan.input_ids:
+            return None
+        if any(n != 1 for n in plan.query_lens):
             return None
         return self.model.decode_step(plan, self.kv_caches)
 

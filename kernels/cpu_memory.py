@@ -9,12 +9,15 @@ panels in such memory ran 132 against 127 tok/s (median of 10 interleaved rounds
 in 9; BENCHMARKS.md). torch's allocator never asks (glibc's heap, as
 `engine/cpu_allocator.py` sets it up, or plain mmaps), so the model's panels and the KV
 cache are allocated here: one private anonymous mapping each, aligned to 2 MiB, advised
-before anything touches it. Pages come on first touch and zeroed, as `torch.zeros` would
-give them. Elsewhere (no THP, not Linux, a small tensor) it is `torch.zeros`.
+before anything touches it, then touched once here (zeroed, as `torch.zeros` gives them), so
+that the kernel finds its huge pages at start-up and not in the middle of a served step.
+Elsewhere (no THP, not Linux, a small tensor) it is `torch.zeros`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 
@@ -37,4 +40,17 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping
     start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    return raw[start : start + nbytes].zero_().view(dtype).view(shape)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`: whole free
+    pages anywhere in the heap, not only at its top), where glibc is the allocator: after
+    the weights were copied into huge-page memory, their first copies' pages would stay
+    resident in the heap (engine/cpu_allocator.py keeps freed memory there)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.kernels import cpu_native
-from kvray.kernels.cpu_memory import huge_page_zeros
+from kvray.kernels.cpu_memory import huge_page_zeros, release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -134,4 +134,6 @@ def gather_panels(model: nn.Module) -> int:
         new.copy_(old.data)
         setattr(module, attr, cpu_native.Panels(new, old.n, old.k))
         start += span
+    old = None  # the last first copy, freed before the trim
+    release_freed_memory()  # the first copies' pages
     return len(owners)
