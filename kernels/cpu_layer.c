@@ -358,7 +358,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
 /* A decode step from its tokens: x's rows the embedding's rows of `tokens` ([vocab, hidden],
  * the model's dtype), each row's RoPE angles the tables' rows at its position ([max_positions,
  * head_dim / 2] fp32), then every layer as below. One call for what were a dozen torch ops
- * and their tensors a step (~0.25 ms of a 1-row step's ~6.5: BENCHMARKS.md, single stream).
+ * and their tensors a step (~0.15 ms of a 1-row step's ~6.5: BENCHMARKS.md, single stream).
  * Returns 0, or -1 with nothing done where a token or a position lies outside its table. */
 static int decode_step(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *sh, void *x, int64_t rows,
                        const void *embed, int64_t vocab, const int64_t *tokens, const float *cos_table,

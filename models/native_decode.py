@@ -18,7 +18,7 @@ The runner's decode steps go one further (`step`, by way of `LlamaForCausalLM.de
 one shard only): from the plan's token ids, positions, slots and block tables as Python
 lists, the embedding's rows, the RoPE tables' rows and every layer are one native call,
 without the attention metadata's tensors, the backend's plan, the embedding and table
-lookups as torch ops (~0.15-0.25 ms of a one-row step's ~6.5 ms, BENCHMARKS.md).
+lookups as torch ops (~0.15 ms of a one-row step's ~6.5 ms, BENCHMARKS.md).
 """
 
 from __future__ import annotations
