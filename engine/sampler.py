@@ -34,6 +34,53 @@ class SampleRow:
     suppressed_token_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_tokens
 
 
+def sample_rows(req, drafts: list[int]) -> list[SampleRow]:
+    """The request's sampling state at its next position and, for each draft, at the
+    position after it (as if the drafts before it were already output)."""
+    p = req.sampling_params
+    penalised = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    rows = []
+    for j in range(len(drafts) + 1):
+        ahead = drafts[:j]
+        num_output = req.num_output_tokens + j
+        mask, terminated = _grammar_after(req.grammar, ahead)
+        rows.append(
+            SampleRow(
+                req.request_id,
+                p,
+                req.sample_index,
+                num_output,
+                req.all_token_ids + ahead if p.repetition_penalty != 1.0 else [],
+                req.output_token_ids + ahead if penalised else [],
+                mask,
+                _suppressed(req, num_output, terminated),
+            )
+        )
+    return rows
+
+
+def _grammar_after(grammar, ahead: list[int]) -> tuple[torch.Tensor | None, bool]:
+    """The grammar's allowed tokens after `ahead` (drafts it accepts: the proposer checks)
+    and whether it is complete there, leaving the grammar where it was."""
+    if grammar is None:
+        return None, False
+    for token in ahead:
+        grammar.accept(token)
+    mask, terminated = grammar.token_bitmask(), grammar.is_terminated
+    if ahead:
+        grammar.rollback(len(ahead))
+    return mask, terminated
+
+
+def _suppressed(req, num_output: int, grammar_done: bool) -> list[int]:
+    """Tokens it may not sample yet: end-of-sequence and stop tokens before `min_tokens`
+    (unless its grammar is complete: then it may only end)."""
+    p = req.sampling_params
+    if num_output >= p.min_tokens or grammar_done:
+        return []
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
