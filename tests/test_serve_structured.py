@@ -246,7 +246,12 @@ def test_echo_logit_bias_and_continuous_usage(client, http):  # noqa: F811
         max_tokens=4,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        temperature=0,
+        # ignore_eos: a sampled or greedy end-of-turn before 4 tokens would end the usage short
+        extra_body={
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": True,
+        },
     )
     usages = [c.usage.completion_tokens for c in stream if c.usage is not None]
     assert usages == sorted(usages) and usages[-1] == 4 and len(usages) >= 3
