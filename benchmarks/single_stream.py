@@ -126,8 +126,10 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
         setattr(cpu_native, name, real)
     parts: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
-        if e.key.startswith(("native::decode_layers", "native::decode_step")):
-            parts["every layer, fused (native: embedding, matmuls, attention)"] += e.self_cpu_time_total
+        if e.key.startswith("native::decode_step"):
+            parts["one call: embedding, every layer, final norm, LM head (native)"] += e.self_cpu_time_total
+        elif e.key.startswith("native::decode_layers"):
+            parts["every layer, fused (native: matmuls, attention)"] += e.self_cpu_time_total
         elif e.key.startswith("native::paged_decode"):
             parts["attention (native kernel)"] += e.self_cpu_time_total
         elif e.key.startswith("native::linear"):

@@ -294,20 +294,20 @@ class ModelRunner:
         """This shard's part of a step; the StepResult on the sampling rank, else None."""
         dev = self.device
         spec = self.spec
-        hidden = self._native_decode_step(plan)
-        if hidden is None:
-            hidden = self._forward(plan)
-        if hidden is None:  # not the last stage
+        logits = self._native_decode_step(plan)
+        hidden = self._forward(plan) if logits is None else None
+        if logits is None and hidden is None:  # not the last stage
             return None
         if spec.rank == spec.sampler_rank:
             for rid in plan.forget:
                 self.sampler.forget(rid)
         if not plan.samples:
             return StepResult([], [], [])
-        # the rows that sample, in order, each once: all of them in a decode step (no gather)
-        rows = plan.logit_rows
-        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
-        logits = self.model.compute_logits(picked)
+        if logits is None:
+            # the rows that sample, in order, each once: all of them in a decode step (no gather)
+            rows = plan.logit_rows
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
+            logits = self.model.compute_logits(picked)
         if spec.rank != spec.sampler_rank:
             return None
         if plan.drafts is None:
@@ -317,15 +317,15 @@ class ModelRunner:
 
     def _native_decode_step(self, plan: StepPlan) -> torch.Tensor | None:
         """A CPU step of one token a sequence, no drafts, one shard, the torch attention
-        backend (whose decode rows the fused layers are): token ids to the last layer's
-        hidden states in one native call where the model takes it (its own `decode_step`),
-        without the attention metadata's tensors and plan; else None."""
+        backend (whose decode rows the fused layers are), every row sampling: token ids to
+        the step's fp32 logits in one native call where the model takes it (its own
+        `decode_step`), without the attention metadata's tensors and plan; else None."""
         if self.device.type != "cpu" or self.spec.world_size != 1 or plan.drafts is not None:
             return None
         if not isinstance(self.backend, TorchBackend) or not plan.input_ids:
             return None
-        if any(n != 1 for n in plan.query_lens):
-            return None
+        if any(n != 1 for n in plan.query_lens) or len(plan.logit_rows) != len(plan.input_ids):
+            return None  # a row that does not sample: its logits are not asked for
         return self.model.decode_step(plan, self.kv_caches)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor | None:

@@ -19,14 +19,15 @@
  *   a = silu(g) * u                     rows
  *   z = a Wdown^T (+ b)                 panels
  *
- * and at the end x = r + z of the last layer. The buffers cost ~20 KB per row and layer in
- * bf16 (SmolLM2: 10 MB at 16 rows), written once a step.
+ * and at the end x = r + z of the last layer (and, in a step from its tokens that asks for
+ * them, the final norm of x and the LM head's logits: decode_step). The buffers cost ~20 KB
+ * per row and layer in bf16 (SmolLM2: 10 MB at 16 rows), written once a step.
  *
  * The math and the roundings are the layers' own (kernels/cpu_ops.c, the panels): in bf16
  * each op's result is rounded to bf16 as the torch layers round it. SiLU uses the kernels'
  * own exp (cpu_vec.h), within an ulp of torch's (fp32 logits agree to ~1e-6); a residual
  * add rounds the sum as the bf16 modules' add does. x [T, hidden] is
- * the residual stream, in and out; the caller applies the final norm and the LM head.
+ * the residual stream, in and out.
  * Built with the other kernels by kernels/cpu_native.py.
  */
 #include <math.h>
@@ -52,6 +53,14 @@ typedef struct {
     float eps, scale;
 } DecodeShape;
 
+/* The model's final norm and LM head, where a step ends in its logits (kvray_decode_step_*) */
+typedef struct {
+    const void *norm;   /* [hidden], the model's dtype */
+    const void *panels; /* the head's weight [n, hidden] in the panels' layout (cpu_linear.c) */
+    int64_t n;          /* the head's outputs (the vocabulary) */
+    float *logits;      /* out: [rows, n] fp32, each the head's output in the model's dtype, widened */
+} Head;
+
 /* from kernels/cpu_ops.c and kernels/cpu_linear.c */
 void kvray_rms_row_f32(const float *, const float *, float *, float *, const float *, int64_t, float);
 void kvray_rms_row_bf16(const bf16 *, const bf16 *, bf16 *, bf16 *, const bf16 *, int64_t, float);
@@ -64,6 +73,8 @@ void kvray_silu_mul_row_bf16(const bf16 *, const bf16 *, bf16 *, int64_t);
 int64_t kvray_linear_items(int64_t n, int64_t m, int bf16_io, int32_t num_threads);
 void kvray_linear_item(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i);
+int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
+int64_t kvray_linear_panel_cols(int bf16_io);
 
 int64_t kvray_share_redo_ns = 50000;
 
@@ -107,6 +118,27 @@ static void linear_item(const void *phase, void *scratch, int64_t i) {
     const LinearPhase *c = phase;
     (void)scratch;
     kvray_linear_item(c->bf16_io, c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, c->items, i);
+}
+
+/* the LM head's item i (a range of its panels, as linear_item), then, in bf16, its columns
+ * of every row widened into the fp32 logits: the bits of the head's bf16 output .float() */
+typedef struct {
+    LinearPhase linear;
+    float *logits;
+} HeadPhase;
+
+static void head_item(const void *phase, void *scratch, int64_t i) {
+    const HeadPhase *c = phase;
+    const LinearPhase *l = &c->linear;
+    linear_item(l, scratch, i);
+    if (!l->bf16_io) return; /* fp32: linear_item wrote the logits themselves */
+    const int64_t panels = kvray_linear_num_panels(l->n, 1), cols = kvray_linear_panel_cols(1);
+    const int64_t first = i * panels / l->items * cols, end = (i + 1) * panels / l->items * cols;
+    const int64_t last = end < l->n ? end : l->n;
+    for (int64_t r = 0; r < l->m; r++) {
+        const bf16 *src = (const bf16 *)l->out + r * l->n;
+        for (int64_t col = first; col < last; col++) c->logits[r * l->n + col] = bf16_to_f32(src[col]);
+    }
 }
 
 /* sum = src + res (where res is given), out = RMSNorm(that) * weight; an item is a row */
@@ -241,7 +273,7 @@ typedef struct {
 static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *sh, void *x, int64_t rows,
                           const float *cos, const float *sin, const int64_t *slots, const int32_t *block_tables,
                           int64_t table_stride, const int32_t *seq_lens, const int64_t *q_rows, int32_t num_seqs,
-                          int32_t num_threads, int bf16_io) {
+                          int32_t num_threads, int bf16_io, const Head *head) {
     const int64_t size = bf16_io ? 2 : 4, d = sh->head_dim, hidden = sh->hidden, inter = sh->intermediate;
     const int64_t q_width = sh->num_q_heads * d, kv_width = sh->num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
     const int64_t qk_width = q_width + kv_width;
@@ -266,7 +298,9 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     const int64_t items_qkv = kvray_linear_items(qkv_width, rows, bf16_io, num_threads);
     const int64_t items_hidden = kvray_linear_items(hidden, rows, bf16_io, num_threads); /* o and down */
     const int64_t items_gu = kvray_linear_items(2 * inter, rows, bf16_io, num_threads);
-    const int64_t num_shares = PHASES * num_layers + 1;
+    /* then the last layer's r + z (normed for the head where there is one), then the head */
+    const int64_t num_shares = PHASES * num_layers + 2;
+    const int64_t items_head = head ? kvray_linear_items(head->n, rows, bf16_io, num_threads) : 0;
     Share *shares = aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
     memset(shares, 0, sizeof(Share) * num_shares);
     for (int32_t i = 0; i < num_layers; i++) {
@@ -281,11 +315,15 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         for (int j = 0; j < PHASES; j++)
             share_init(&shares[PHASES * i + j], items[j], j == ATTEND ? 1 : 0, num_threads);
     }
-    share_init(&shares[num_shares - 1], rows, 0, num_threads);
+    share_init(&shares[num_shares - 2], rows, 0, num_threads);
+    share_init(&shares[num_shares - 1], items_head, 0, num_threads);
     for (int64_t j = 0; j < num_shares; j++) flags_total += shares[j].n;
     uint8_t *flags = calloc(flags_total, 1);
     for (int64_t j = 0, offset = 0; j < num_shares; offset += shares[j].n, j++) shares[j].flags = flags + offset;
     char *arena = malloc(per_layer * num_layers);
+    /* the head's input rows, and its output before widening (bf16; fp32 writes the logits) */
+    void *head_in = head ? malloc(rows * hidden * size) : 0;
+    void *head_out = head && bf16_io ? malloc(rows * head->n * size) : head ? (void *)head->logits : 0;
     float *parts = malloc(sizeof(float) * (parts_total > 0 ? parts_total : 1));
     LayerBuffers *bufs = malloc(sizeof(LayerBuffers) * num_layers);
     char *at = arena;
@@ -340,9 +378,19 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter, items_hidden};
             RUN_PHASE(9, linear_item, &down);
         }
-        /* x = the last layer's r + z */
-        const AddPhase out = {bf16_io, bufs[num_layers - 1].r, bufs[num_layers - 1].z, x, hidden};
-        share_run(&shares[num_shares - 1], add_item, &out, &scratch);
+        /* x = the last layer's r + z; with a head, head_in = the final RMSNorm of x, then the
+         * logits: the bits of compute_logits's norm, linear and .float() */
+        const LayerBuffers *last = &bufs[num_layers - 1];
+        if (head) {
+            const NormPhase norm_out = {bf16_io, last->r, last->z, x, head_in, head->norm, hidden, sh->eps};
+            share_run(&shares[num_shares - 2], norm_item, &norm_out, &scratch);
+            const HeadPhase logits = {{bf16_io, head_in, head->panels, 0, head_out, rows, head->n, hidden, items_head},
+                                      head->logits};
+            share_run(&shares[num_shares - 1], head_item, &logits, &scratch);
+        } else {
+            const AddPhase out = {bf16_io, last->r, last->z, x, hidden};
+            share_run(&shares[num_shares - 2], add_item, &out, &scratch);
+        }
         kvray_decode_scratch_free(&scratch);
     }
     free(shares);
@@ -350,6 +398,8 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     free(flags);
     free(parts);
     free(arena);
+    free(head_in);
+    if (head && bf16_io) free(head_out);
     for (int32_t j = 0; j < num_plans; j++) kvray_decode_plan_free(&plans[j]);
     free(plans);
     free(plan_of);
@@ -359,12 +409,15 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
  * the model's dtype), each row's RoPE angles the tables' rows at its position ([max_positions,
  * head_dim / 2] fp32), then every layer as below. One call for what were a dozen torch ops
  * and their tensors a step (~0.15 ms of a 1-row step's ~6.5: BENCHMARKS.md, single stream).
- * Returns 0, or -1 with nothing done where a token or a position lies outside its table. */
+ * With a `head` (else NULL), the final norm and the LM head follow in the same parallel
+ * region, into head->logits: no second call, no torch ops between. Returns 0, or -1 with
+ * nothing done where a token or a position lies outside its table. */
 static int decode_step(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *sh, void *x, int64_t rows,
                        const void *embed, int64_t vocab, const int64_t *tokens, const float *cos_table,
                        const float *sin_table, int64_t max_positions, const int64_t *positions, const int64_t *slots,
                        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                       const int64_t *q_rows, int32_t num_seqs, int32_t num_threads, int bf16_io) {
+                       const int64_t *q_rows, int32_t num_seqs, int32_t num_threads, int bf16_io,
+                       const Head *head) {
     const int64_t half = sh->head_dim / 2, row_bytes = sh->hidden * (bf16_io ? 2 : 4);
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -1;
@@ -375,7 +428,7 @@ static int decode_step(const DecodeLayer *layers, int32_t num_layers, const Deco
         memcpy(sin + r * half, sin_table + positions[r] * half, sizeof(float) * half);
     }
     decode_layers(layers, num_layers, sh, x, rows, cos, sin, slots, block_tables, table_stride, seq_lens, q_rows,
-                  num_seqs, num_threads, bf16_io);
+                  num_seqs, num_threads, bf16_io, head);
     free(cos);
     return 0;
 }
@@ -386,10 +439,10 @@ static int decode_step(const DecodeLayer *layers, int32_t num_layers, const Deco
                                    const float *cos_table, const float *sin_table, int64_t max_positions,            \
                                    const int64_t *positions, const int64_t *slots, const int32_t *block_tables,      \
                                    int64_t table_stride, const int32_t *seq_lens, const int64_t *q_rows,             \
-                                   int32_t num_seqs, int32_t num_threads) {                                          \
+                                   int32_t num_seqs, int32_t num_threads, const Head *head) {                        \
         return decode_step(layers, num_layers, shape, x, rows, embed, vocab, tokens, cos_table, sin_table,           \
                            max_positions, positions, slots, block_tables, table_stride, seq_lens, q_rows, num_seqs,   \
-                           num_threads, BF16);                                                                       \
+                           num_threads, BF16, head);                                                                 \
     }
 DECODE_STEP(f32, float, 0)
 DECODE_STEP(bf16, bf16, 1)
@@ -402,7 +455,7 @@ void kvray_decode_layers_f32(const DecodeLayer *layers, int32_t num_layers, cons
                              const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                              const int64_t *q_rows, int32_t num_seqs, int32_t num_threads) {
     decode_layers(layers, num_layers, shape, x, rows, cos, sin, slots, block_tables, table_stride, seq_lens, q_rows,
-                  num_seqs, num_threads, 0);
+                  num_seqs, num_threads, 0, 0);
 }
 
 void kvray_decode_layers_bf16(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *shape, bf16 *x,
@@ -410,5 +463,5 @@ void kvray_decode_layers_bf16(const DecodeLayer *layers, int32_t num_layers, con
                               const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                               const int64_t *q_rows, int32_t num_seqs, int32_t num_threads) {
     decode_layers(layers, num_layers, shape, x, rows, cos, sin, slots, block_tables, table_stride, seq_lens, q_rows,
-                  num_seqs, num_threads, 1);
+                  num_seqs, num_threads, 1, 0);
 }

@@ -369,6 +369,9 @@ int64_t kvray_linear_num_panels(int64_t n, int bf16_io) {
     return bf16_io ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL;
 }
 
+/* the output columns of a panel (the last one's may lie past n) */
+int64_t kvray_linear_panel_cols(int bf16_io) { return bf16_io ? PANEL_BF16 : PANEL; }
+
 /* out = x W^T (+ b), the panels shared out among the threads */
 static void linear(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
                    int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {

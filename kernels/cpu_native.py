@@ -320,6 +320,15 @@ class DecodeShape(ctypes.Structure):
     ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
 
 
+class Head(ctypes.Structure):
+    """The final norm and the LM head a decode step may end in (kernels/cpu_layer.c)."""
+
+    _fields_ = [
+        ("norm", ctypes.c_void_p), ("panels", ctypes.c_void_p),
+        ("n", ctypes.c_int64), ("logits", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
 def decode_layers(
     layers: ctypes.Array,
     shape: DecodeShape,
@@ -368,13 +377,16 @@ def decode_step(
     slots: list[int],
     block_tables: list[list[int]],
     seq_lens: list[int],
+    head: tuple[torch.Tensor, Panels] | None = None,
 ) -> torch.Tensor | None:
     """A decode step from its tokens in one call (kernels/cpu_layer.c): the embedding's rows
     (embed [vocab, hidden], contiguous, the layers' dtype), the RoPE tables' rows (fp32
     [max_positions, head_dim / 2] each) and every layer; the residual stream out of the last
-    layer [T, hidden], or None where a token or a position is outside its table. One row a
-    sequence (every row a decode row), block tables padded to one width; the step's plan
-    built here from Python lists, no tensors."""
+    layer [T, hidden], or None where a token or a position is outside its table. With
+    `head` (the final norm's weight, the LM head's panels, the layers' dtype): that norm and
+    the head in the same call, and the fp32 logits [T, n] instead (the head's output in the
+    layers' dtype, widened). One row a sequence (every row a decode row), block tables padded
+    to one width; the step's plan built here from Python lists, no tensors."""
     rows = len(tokens)
     order = sorted(range(rows), key=seq_lens.__getitem__)  # ascending (kvray_decode_plan)
     width = len(block_tables[0])
@@ -383,10 +395,19 @@ def decode_step(
     lens = (i32 * rows)(*(seq_lens[r] for r in order))
     cos, sin = rope
     x = torch.empty(rows, shape.hidden, dtype=embed.dtype)
+    logits, ends = None, None
+    if head is not None:
+        norm, panels = head
+        assert norm.dtype == panels.data.dtype == embed.dtype and norm.is_contiguous()
+        assert panels.k == shape.hidden
+        logits = torch.empty(rows, panels.n, dtype=torch.float32)
+        ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, logits.data_ptr()))
     status = getattr(library(), f"kvray_decode_step_{_suffix(embed.dtype)}")(
         ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), rows,
         embed.data_ptr(), embed.shape[0], (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
         (i64 * rows)(*positions), (i64 * rows)(*slots), tables, width, lens, (i64 * rows)(*order), rows,
-        torch.get_num_threads(),
+        torch.get_num_threads(), ends,
     )  # fmt: skip
-    return x if status == 0 else None
+    if status != 0:
+        return None
+    return x if logits is None else logits

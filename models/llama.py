@@ -177,12 +177,19 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_step(self, plan, kv_caches: list[LayerKV]) -> torch.Tensor | None:
         """A CPU decode step of one token a sequence (`plan`: the runner's StepPlan) from its
-        token ids to the last layer's hidden states in one native call (native_decode), or
-        None where the model or the step does not qualify: `forward` then runs it."""
+        token ids to its fp32 logits [T, vocab] in one native call (native_decode: the
+        embedding, every layer, then the final norm and the LM head as `compute_logits` runs
+        them, the same bits), or None where the model or the step does not qualify:
+        `forward` and `compute_logits` then run it."""
         native = native_decode.for_model(self, kv_caches)
-        if native is None or not hasattr(self, "embed_tokens"):
+        if native is None or not hasattr(self, "embed_tokens") or not hasattr(self, "norm"):
             return None
-        return native.step(self.embed_tokens.weight, self.rotary, plan)
+        head = self.panels_head
+        if head is None or head.n != self.config.vocab_size or head.data.dtype != native.dtype:
+            return None
+        if self.norm.weight.dtype != native.dtype:
+            return None
+        return native.step(self.embed_tokens.weight, self.rotary, plan, (self.norm.weight, head))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] (pre-norm) -> fp32 logits [B, vocab] (last stage; every

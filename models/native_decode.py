@@ -16,9 +16,10 @@ quantized as kv_quant.quantize does it, bit for bit) with heads the decode kerne
 
 The runner's decode steps go one further (`step`, by way of `LlamaForCausalLM.decode_step`,
 one shard only): from the plan's token ids, positions, slots and block tables as Python
-lists, the embedding's rows, the RoPE tables' rows and every layer are one native call,
-without the attention metadata's tensors, the backend's plan, the embedding and table
-lookups as torch ops (~0.15 ms of a one-row step's ~6.5 ms, BENCHMARKS.md).
+lists, the embedding's rows, the RoPE tables' rows, every layer, the final norm and the LM
+head are one native call, without the attention metadata's tensors, the backend's plan,
+the embedding and table lookups as torch ops (~0.15 ms of a one-row step's ~6.5 ms,
+BENCHMARKS.md), nor the head's second parallel region and torch ops.
 """
 
 from __future__ import annotations
@@ -113,10 +114,11 @@ class NativeDecode:
             rows.rows,
         )
 
-    def step(self, embed: torch.Tensor, rotary, plan) -> torch.Tensor | None:
+    def step(self, embed: torch.Tensor, rotary, plan, head=None) -> torch.Tensor | None:
         """A decode step from its tokens (`plan`: a StepPlan of one token a sequence): the
         embedding, RoPE tables and every layer in one call; the hidden states out of the
-        last layer, or None where it does not qualify (the caller then runs the modules)."""
+        last layer (with `head`, the final norm's weight and the LM head's panels: the fp32
+        logits), or None where it does not qualify (the caller then runs the modules)."""
         if len(plan.input_ids) > cpu_native.LINEAR_ROWS[self.dtype] or embed.dtype != self.dtype:
             return None
         if not (embed.is_contiguous() and rotary.cos.is_contiguous() and rotary.sin.is_contiguous()):
@@ -131,6 +133,7 @@ class NativeDecode:
             plan.slot_mapping,
             plan.block_tables,
             plan.seq_lens,
+            head,
         )
 
 

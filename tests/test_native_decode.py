@@ -80,8 +80,8 @@ def _count_fused(monkeypatch):
         rows.append(x.shape[0] if out is not None else 0)
         return out
 
-    def step(self, embed, rotary, plan):
-        out = real_step(self, embed, rotary, plan)
+    def step(self, embed, rotary, plan, head=None):
+        out = real_step(self, embed, rotary, plan, head)
         rows.append(len(plan.input_ids) if out is not None else 0)
         return out
 
@@ -117,10 +117,11 @@ def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(saved_model, monkeypatch, dtype):
-    """The runner's one-call decode step (the embedding's rows, the RoPE tables' rows and
-    every layer, from the plan's lists) gives what the model's forward gives through the
-    same fused layers, bit for bit, step after step of a batch; a token or a position
-    outside its table declines it (None: the modules then raise or run it)."""
+    """The runner's one-call decode step (the embedding's rows, the RoPE tables' rows,
+    every layer, the final norm and the LM head, from the plan's lists) gives the logits
+    the model's forward and compute_logits give through the same fused layers, bit for
+    bit, step after step of a batch; a token or a position outside its table declines it
+    (None: the modules then raise or run it)."""
     if dtype == "bfloat16" and not cpu_has_native_bf16():
         pytest.skip("bf16 runs natively only where the CPU multiplies it")
     monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
@@ -133,7 +134,8 @@ def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(saved_model, mon
     def both(plan):
         out = real(plan)
         if out is not None:
-            same.append(torch.equal(out, runner._forward(plan)))  # writes the same K/V again
+            # the modules' step and compute_logits (writing the same K/V again)
+            same.append(torch.equal(out, runner.model.compute_logits(runner._forward(plan))))
         return out
 
     monkeypatch.setattr(runner, "_native_decode_step", both)
