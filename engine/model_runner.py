@@ -27,6 +27,7 @@ from kvray.engine.scheduler import SchedulerOutput
 from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
 from kvray.kernels.cpu_memory import huge_page_zeros
+from kvray.kernels.cpu_native import StepLogits
 from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
 from kvray.kernels.torch_backend import TorchBackend
 from kvray.models.cpu_linear import pack_model
@@ -294,7 +295,8 @@ class ModelRunner:
         """This shard's part of a step; the StepResult on the sampling rank, else None."""
         dev = self.device
         spec = self.spec
-        logits = self._native_decode_step(plan)
+        native = self._native_decode_step(plan)
+        logits, greedy = (None, None) if native is None else native
         hidden = self._forward(plan) if logits is None else None
         if logits is None and hidden is None:  # not the last stage
             return None
@@ -311,14 +313,14 @@ class ModelRunner:
         if spec.rank != spec.sampler_rank:
             return None
         if plan.drafts is None:
-            return StepResult.plain(plan.request_ids, self.sampler(logits, plan.samples))
+            return StepResult.plain(plan.request_ids, self.sampler(logits, plan.samples, greedy))
         verified = verify(self.sampler, logits, plan.samples, plan.drafts)
         return StepResult(plan.request_ids, verified.token_ids, verified.logprobs)
 
-    def _native_decode_step(self, plan: StepPlan) -> torch.Tensor | None:
+    def _native_decode_step(self, plan: StepPlan) -> StepLogits | None:
         """A CPU step of one token a sequence, no drafts, one shard, the torch attention
         backend (whose decode rows the fused layers are), every row sampling: token ids to
-        the step's fp32 logits in one native call where the model takes it (its own
+        the step's fp32 logits and their argmax in one native call where the model takes it (its own
         `decode_step`), without the attention metadata's tensors and plan; else None."""
         if self.device.type != "cpu" or self.spec.world_size != 1 or plan.drafts is not None:
             return None

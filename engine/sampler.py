@@ -96,13 +96,18 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[SampleRow]) -> SamplerOutput:
-        """logits fp32 [B, V], row i belongs to requests[i]."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[SampleRow], greedy: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """logits fp32 [B, V], row i belongs to requests[i]; `greedy`: each row's argmax of
+        these logits where the caller has it (the native decode step finds it as it writes
+        them), taken as the greedy tokens when nothing here changes the logits."""
         raw = logits[:, : self.vocab_size]
         logits = self.process(raw, requests)
         params = [r.sampling_params for r in requests]
         if all(p.greedy for p in params):
-            tokens = _argmax(logits)
+            unchanged = greedy is not None and logits is raw and raw.shape[1] == self.vocab_size
+            tokens = greedy if unchanged else _argmax(logits)
         else:
             tokens = self._sample(logits, requests)
         token_list = tokens.tolist()

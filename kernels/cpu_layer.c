@@ -31,6 +31,7 @@
  * Built with the other kernels by kernels/cpu_native.py.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,7 @@ typedef struct {
     const void *panels; /* the head's weight [n, hidden] in the panels' layout (cpu_linear.c) */
     int64_t n;          /* the head's outputs (the vocabulary) */
     float *logits;      /* out: [rows, n] fp32, each the head's output in the model's dtype, widened */
+    int64_t *argmax;    /* out: [rows], each row's greedy token (as torch.argmax of logits), or NULL */
 } Head;
 
 /* from kernels/cpu_ops.c and kernels/cpu_linear.c */
@@ -75,6 +77,7 @@ void kvray_linear_item(int bf16_io, const void *x, int64_t x_stride, const void 
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i);
 int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
 int64_t kvray_linear_panel_cols(int bf16_io);
+int64_t kvray_argmax_row_f32(const float *x, int64_t n);
 
 int64_t kvray_share_redo_ns = 50000;
 
@@ -93,7 +96,6 @@ enum { ATTEND = 3 };  /* the phase of decode attention's items */
  * phase's wall time on thread 0's clock adds up here, summed over layers and calls: where a
  * fused step's time goes, phase by phase. */
 #ifdef KVRAY_PHASE_TIMES
-#include <omp.h>
 double kvray_phase_seconds[PHASES];
 #define RUN_PHASE(j, fn, arg)                                                                  \
     do {                                                                                       \
@@ -121,23 +123,42 @@ static void linear_item(const void *phase, void *scratch, int64_t i) {
 }
 
 /* the LM head's item i (a range of its panels, as linear_item), then, in bf16, its columns
- * of every row widened into the fp32 logits: the bits of the head's bf16 output .float() */
+ * of every row widened into the fp32 logits: the bits of the head's bf16 output .float();
+ * with `best`, each row's argmax over the item's columns into best[i * rows + r] while
+ * they are in this core's cache (head_argmax merges them) */
 typedef struct {
     LinearPhase linear;
     float *logits;
+    int64_t *best;
 } HeadPhase;
 
 static void head_item(const void *phase, void *scratch, int64_t i) {
     const HeadPhase *c = phase;
     const LinearPhase *l = &c->linear;
     linear_item(l, scratch, i);
-    if (!l->bf16_io) return; /* fp32: linear_item wrote the logits themselves */
-    const int64_t panels = kvray_linear_num_panels(l->n, 1), cols = kvray_linear_panel_cols(1);
+    const int64_t panels = kvray_linear_num_panels(l->n, l->bf16_io), cols = kvray_linear_panel_cols(l->bf16_io);
     const int64_t first = i * panels / l->items * cols, end = (i + 1) * panels / l->items * cols;
     const int64_t last = end < l->n ? end : l->n;
     for (int64_t r = 0; r < l->m; r++) {
-        const bf16 *src = (const bf16 *)l->out + r * l->n;
-        for (int64_t col = first; col < last; col++) c->logits[r * l->n + col] = bf16_to_f32(src[col]);
+        float *row = c->logits + r * l->n;
+        if (l->bf16_io) /* fp32: linear_item wrote the logits themselves */
+            for (int64_t col = first; col < last; col++) row[col] = bf16_to_f32(((const bf16 *)l->out)[r * l->n + col]);
+        if (c->best) c->best[i * l->m + r] = first + kvray_argmax_row_f32(row + first, last - first);
+    }
+}
+
+/* each row's argmax from the items' own (in column order: the first NaN, else the first of
+ * the largest, as torch.argmax and kvray_argmax_row_f32 take them) */
+static void head_argmax(const HeadPhase *c, int64_t *out) {
+    const LinearPhase *l = &c->linear;
+    for (int64_t r = 0; r < l->m; r++) {
+        const float *row = c->logits + r * l->n;
+        int64_t arg = c->best[r];
+        for (int64_t i = 1; i < l->items && row[arg] == row[arg]; i++) {
+            const int64_t at = c->best[i * l->m + r];
+            if (row[at] != row[at] || row[at] > row[arg]) arg = at;
+        }
+        out[r] = arg;
     }
 }
 
@@ -324,6 +345,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     /* the head's input rows, and its output before widening (bf16; fp32 writes the logits) */
     void *head_in = head ? malloc(rows * hidden * size) : 0;
     void *head_out = head && bf16_io ? malloc(rows * head->n * size) : head ? (void *)head->logits : 0;
+    int64_t *head_best = head && head->argmax ? malloc(sizeof(int64_t) * items_head * rows) : 0;
     float *parts = malloc(sizeof(float) * (parts_total > 0 ? parts_total : 1));
     LayerBuffers *bufs = malloc(sizeof(LayerBuffers) * num_layers);
     char *at = arena;
@@ -385,8 +407,9 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             const NormPhase norm_out = {bf16_io, last->r, last->z, x, head_in, head->norm, hidden, sh->eps};
             share_run(&shares[num_shares - 2], norm_item, &norm_out, &scratch);
             const HeadPhase logits = {{bf16_io, head_in, head->panels, 0, head_out, rows, head->n, hidden, items_head},
-                                      head->logits};
+                                      head->logits, head_best};
             share_run(&shares[num_shares - 1], head_item, &logits, &scratch);
+            if (head_best && omp_get_thread_num() == 0) head_argmax(&logits, head->argmax);
         } else {
             const AddPhase out = {bf16_io, last->r, last->z, x, hidden};
             share_run(&shares[num_shares - 2], add_item, &out, &scratch);
@@ -399,6 +422,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     free(parts);
     free(arena);
     free(head_in);
+    free(head_best);
     if (head && bf16_io) free(head_out);
     for (int32_t j = 0; j < num_plans; j++) kvray_decode_plan_free(&plans[j]);
     free(plans);

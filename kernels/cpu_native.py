@@ -325,8 +325,15 @@ class Head(ctypes.Structure):
 
     _fields_ = [
         ("norm", ctypes.c_void_p), ("panels", ctypes.c_void_p),
-        ("n", ctypes.c_int64), ("logits", ctypes.c_void_p),
+        ("n", ctypes.c_int64), ("logits", ctypes.c_void_p), ("argmax", ctypes.c_void_p),
     ]  # fmt: skip
+
+
+class StepLogits(NamedTuple):
+    """A decode step's fp32 logits [T, n] and each row's argmax of them [T] (int64)."""
+
+    logits: torch.Tensor
+    argmax: torch.Tensor
 
 
 def decode_layers(
@@ -378,14 +385,15 @@ def decode_step(
     block_tables: list[list[int]],
     seq_lens: list[int],
     head: tuple[torch.Tensor, Panels] | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor | StepLogits | None:
     """A decode step from its tokens in one call (kernels/cpu_layer.c): the embedding's rows
     (embed [vocab, hidden], contiguous, the layers' dtype), the RoPE tables' rows (fp32
     [max_positions, head_dim / 2] each) and every layer; the residual stream out of the last
     layer [T, hidden], or None where a token or a position is outside its table. With
     `head` (the final norm's weight, the LM head's panels, the layers' dtype): that norm and
-    the head in the same call, and the fp32 logits [T, n] instead (the head's output in the
-    layers' dtype, widened). One row a sequence (every row a decode row), block tables padded
+    the head in the same call, and a StepLogits instead: the fp32 logits [T, n] (the head's
+    output in the layers' dtype, widened) and each row's argmax, found while the logits
+    were in the cores' caches. One row a sequence (every row a decode row), block tables padded
     to one width; the step's plan built here from Python lists, no tensors."""
     rows = len(tokens)
     order = sorted(range(rows), key=seq_lens.__getitem__)  # ascending (kvray_decode_plan)
@@ -395,13 +403,15 @@ def decode_step(
     lens = (i32 * rows)(*(seq_lens[r] for r in order))
     cos, sin = rope
     x = torch.empty(rows, shape.hidden, dtype=embed.dtype)
-    logits, ends = None, None
+    out, ends = None, None
     if head is not None:
         norm, panels = head
         assert norm.dtype == panels.data.dtype == embed.dtype and norm.is_contiguous()
         assert panels.k == shape.hidden
         logits = torch.empty(rows, panels.n, dtype=torch.float32)
-        ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, logits.data_ptr()))
+        out = StepLogits(logits, torch.empty(rows, dtype=torch.int64))
+        ptrs = (out.logits.data_ptr(), out.argmax.data_ptr())
+        ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, *ptrs))
     status = getattr(library(), f"kvray_decode_step_{_suffix(embed.dtype)}")(
         ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), rows,
         embed.data_ptr(), embed.shape[0], (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
@@ -410,4 +420,4 @@ def decode_step(
     )  # fmt: skip
     if status != 0:
         return None
-    return x if logits is None else logits
+    return x if out is None else out

@@ -161,7 +161,7 @@ ROTARY(bf16, bf16)
 /* Greedy sampling: out[r] = the index of row r's largest value (the first of equal ones; the
  * first NaN where a row has one, as torch.argmax gives), rows of n fp32 values `stride`
  * apart; 8 lanes each keep their best value and where it was, then the lanes meet. */
-static int64_t argmax_row(const float *x, int64_t n) {
+int64_t kvray_argmax_row_f32(const float *x, int64_t n) {
     v8 best = (v8){0} - INFINITY;
     v8i where = {0}, at = {0, 1, 2, 3, 4, 5, 6, 7}, nan = {0};
     int64_t i = 0;
@@ -189,5 +189,5 @@ static int64_t argmax_row(const float *x, int64_t n) {
 
 void kvray_argmax_f32(const float *x, int64_t stride, int64_t n, int64_t rows, int64_t *out, int32_t num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 262144)")
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
+    for (int64_t r = 0; r < rows; r++) out[r] = kvray_argmax_row_f32(x + r * stride, n);
 }

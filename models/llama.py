@@ -175,12 +175,12 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache, backend, meta)
         return x
 
-    def decode_step(self, plan, kv_caches: list[LayerKV]) -> torch.Tensor | None:
+    def decode_step(self, plan, kv_caches: list[LayerKV]) -> cpu_native.StepLogits | None:
         """A CPU decode step of one token a sequence (`plan`: the runner's StepPlan) from its
-        token ids to its fp32 logits [T, vocab] in one native call (native_decode: the
-        embedding, every layer, then the final norm and the LM head as `compute_logits` runs
-        them, the same bits), or None where the model or the step does not qualify:
-        `forward` and `compute_logits` then run it."""
+        token ids to its fp32 logits [T, vocab] and their argmax in one native call
+        (native_decode: the embedding, every layer, then the final norm and the LM head as
+        `compute_logits` runs them, the same bits), or None where the model or the step does
+        not qualify: `forward` and `compute_logits` then run it."""
         native = native_decode.for_model(self, kv_caches)
         if native is None or not hasattr(self, "embed_tokens") or not hasattr(self, "norm"):
             return None

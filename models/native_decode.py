@@ -118,7 +118,8 @@ class NativeDecode:
         """A decode step from its tokens (`plan`: a StepPlan of one token a sequence): the
         embedding, RoPE tables and every layer in one call; the hidden states out of the
         last layer (with `head`, the final norm's weight and the LM head's panels: the fp32
-        logits), or None where it does not qualify (the caller then runs the modules)."""
+        logits and their argmax, a cpu_native.StepLogits), or None where it does not qualify
+        (the caller then runs the modules)."""
         if len(plan.input_ids) > cpu_native.LINEAR_ROWS[self.dtype] or embed.dtype != self.dtype:
             return None
         if not (embed.is_contiguous() and rotary.cos.is_contiguous() and rotary.sin.is_contiguous()):
