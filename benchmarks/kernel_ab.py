@@ -37,7 +37,7 @@ import torch
 from serve_harness import cpu_banner
 
 from kvray.engine import LLM, SamplingParams
-from kvray.kernels import cpu_build, cpu_native
+from kvray.kernels import cpu_build, cpu_fused
 
 PHASES = (
     "norm",
@@ -73,20 +73,20 @@ def capture_step(rows: int, context: int, dtype: str = "auto") -> tuple:
     )
     prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + context))} for i in range(rows)]
     captured = []
-    real = cpu_native.decode_layers
+    real = cpu_fused.decode_layers
 
     def grab(layers, shape, x, *tensors):
         if x.shape[0] == rows and not captured:
             captured.extend([layers, shape, x.clone(), *(t.clone() for t in tensors)])
         return real(layers, shape, x, *tensors)
 
-    cpu_native.decode_layers = grab
+    cpu_fused.decode_layers = grab
     runner = llm.engine.runner
     runner._native_decode_step = lambda plan: None  # the modules' path: its fused call takes tensors
     try:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     finally:
-        cpu_native.decode_layers = real
+        cpu_fused.decode_layers = real
         del runner._native_decode_step
     if not captured:
         raise SystemExit(f"no fused decode step of {rows} rows ran (too many rows for the fused layers?)")

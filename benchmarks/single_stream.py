@@ -97,17 +97,19 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from kvray.engine import SamplingParams
-    from kvray.kernels import cpu_native
+    from kvray.kernels import cpu_fused, cpu_native
 
     wrapped = {}
-    for name in ("paged_decode", "rms_norm", "rotary_", "linear", "decode_layers", "decode_step"):
-        real = wrapped[name] = getattr(cpu_native, name)
+    modules = {name: cpu_native for name in ("paged_decode", "rms_norm", "rotary_", "linear")}
+    modules |= {name: cpu_fused for name in ("decode_layers", "decode_step")}
+    for name, module in modules.items():
+        real = wrapped[name] = getattr(module, name)
 
         def call(*a, _real=real, _name=name, **k):
             with record_function(f"native::{_name}"):
                 return _real(*a, **k)
 
-        setattr(cpu_native, name, call)
+        setattr(module, name, call)
     engine = llm.engine
     engine.add_request(
         "p", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -123,7 +125,7 @@ def profile_steps(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
             steps += 1
     wall = time.perf_counter() - start
     for name, real in wrapped.items():
-        setattr(cpu_native, name, real)
+        setattr(modules[name], name, real)
     parts: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         if e.key.startswith("native::decode_step"):

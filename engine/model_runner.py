@@ -26,8 +26,8 @@ from kvray.engine.sampler import Sampler, SamplerOutput, SampleRow, sample_rows
 from kvray.engine.scheduler import SchedulerOutput
 from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
+from kvray.kernels.cpu_fused import StepLogits
 from kvray.kernels.cpu_memory import huge_page_zeros
-from kvray.kernels.cpu_native import StepLogits
 from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
 from kvray.kernels.torch_backend import TorchBackend
 from kvray.models.cpu_linear import pack_model
@@ -320,8 +320,9 @@ class ModelRunner:
     def _native_decode_step(self, plan: StepPlan) -> StepLogits | None:
         """A CPU step of one token a sequence, no drafts, one shard, the torch attention
         backend (whose decode rows the fused layers are), every row sampling: token ids to
-        the step's fp32 logits and their argmax in one native call where the model takes it (its own
-        `decode_step`), without the attention metadata's tensors and plan; else None."""
+        the step's fp32 logits and their argmax in one native call where the model takes it
+        (its own `decode_step`), without the attention metadata's tensors and plan; else
+        None."""
         if self.device.type != "cpu" or self.spec.world_size != 1 or plan.drafts is not None:
             return None
         if not isinstance(self.backend, TorchBackend) or not plan.input_ids:

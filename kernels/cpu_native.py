@@ -1,7 +1,7 @@
 """Native CPU kernels (kernels/cpu_decode.c: decode attention; kernels/cpu_prefill.c: prefill
 attention; kernels/cpu_ops.c: RMSNorm with the residual add, RoPE, greedy argmax;
 kernels/cpu_linear.c: the weight matmuls of steps of a few rows; kernels/cpu_layer.c: all
-of a decode step's layers in one call, from those pieces),
+of a decode step's layers in one call, from those pieces, wrapped in kernels/cpu_fused.py),
 built on first use with the machine's C compiler and loaded through ctypes
 (kernels/cpu_build.py); here, their typed wrappers. The library links the OpenMP runtime
 torch has already loaded, and takes torch's thread count per call. The call releases the
@@ -17,7 +17,6 @@ elsewhere, so the tests run on any CPU).
 
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple
 
 import torch
@@ -95,7 +94,7 @@ def paged_decode(
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
     if k_scale is None:
         assert k_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-        kernel = getattr(library(), f"kvray_paged_decode_{_suffix(q.dtype)}")
+        kernel = getattr(library(), f"kvray_paged_decode_{dtype_suffix(q.dtype)}")
     else:
         assert rows_end_in_scales(k_cache, k_scale) and rows_end_in_scales(v_cache, v_scale)
         kernel = getattr(library(), "kvray_paged_decode_i8" + ("_bf16" if q.dtype == torch.bfloat16 else ""))
@@ -150,7 +149,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     kv_len, num_kv_heads = k.shape[0], k.shape[1]
     assert q_len <= kv_len and takes_prefill(q, k, v)
     out = torch.empty(q_len, num_q_heads, head_dim, dtype=q.dtype)
-    getattr(library(), f"kvray_prefill_attention_{_suffix(q.dtype)}")(
+    getattr(library(), f"kvray_prefill_attention_{dtype_suffix(q.dtype)}")(
         q.data_ptr(),
         q.stride(0),
         k.data_ptr(),
@@ -190,7 +189,8 @@ def usable(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and takes(x.dtype, x.device)
 
 
-def _suffix(dtype: torch.dtype) -> str:
+def dtype_suffix(dtype: torch.dtype) -> str:
+    """The kernels' name suffix for a dtype: `bf16` or `f32`."""
     return "bf16" if dtype == torch.bfloat16 else "f32"
 
 
@@ -204,7 +204,7 @@ def rms_norm(
     assert residual is None or residual.dtype == x.dtype
     out = torch.empty(rows, dim, dtype=x.dtype)
     summed = None if residual is None else torch.empty(rows, dim, dtype=x.dtype)
-    getattr(library(), f"kvray_rms_norm_{_suffix(x.dtype)}")(
+    getattr(library(), f"kvray_rms_norm_{dtype_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),
         None if residual is None else residual.data_ptr(),
@@ -228,7 +228,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     rows, heads, head_dim = x.shape
     assert x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous() and sin.is_contiguous()
     assert cos.numel() == sin.numel() == rows * head_dim // 2 and cos.dtype == sin.dtype == torch.float32
-    getattr(library(), f"kvray_rotary_{_suffix(x.dtype)}")(
+    getattr(library(), f"kvray_rotary_{dtype_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),
         heads,
@@ -283,7 +283,7 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
     rows, k = x.shape
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == panels.n)
     out = torch.empty(rows, panels.n, dtype=x.dtype)
-    getattr(library(), f"kvray_linear_{_suffix(x.dtype)}")(
+    getattr(library(), f"kvray_linear_{dtype_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),
         panels.data.data_ptr(),
@@ -296,128 +296,3 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
         torch.get_num_threads(),
     )
     return out
-
-
-class DecodeLayer(ctypes.Structure):
-    """One layer's tensors for `decode_layers` (kernels/cpu_layer.c's DecodeLayer): data
-    pointers in the model's dtype (biases NULL when absent), the cache's, its window."""
-
-    _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in (
-            "input_norm", "post_norm", "qkv", "o", "gate_up", "down",
-            "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "k_cache", "v_cache",
-        )
-    ] + [("window", ctypes.c_int32)]  # fmt: skip
-
-
-class DecodeShape(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_int32)
-        for name in (
-            "hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "kv_int8",
-        )
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
-
-
-class Head(ctypes.Structure):
-    """The final norm and the LM head a decode step may end in (kernels/cpu_layer.c)."""
-
-    _fields_ = [
-        ("norm", ctypes.c_void_p), ("panels", ctypes.c_void_p),
-        ("n", ctypes.c_int64), ("logits", ctypes.c_void_p), ("argmax", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-class StepLogits(NamedTuple):
-    """A decode step's fp32 logits [T, n] and each row's argmax of them [T] (int64)."""
-
-    logits: torch.Tensor
-    argmax: torch.Tensor
-
-
-def decode_layers(
-    layers: ctypes.Array,
-    shape: DecodeShape,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slots: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    rows: torch.Tensor,
-) -> torch.Tensor:
-    """Every layer of a decode step in one call (kernels/cpu_layer.c): x [T, hidden]
-    contiguous, the residual stream, updated in place and returned; cos, sin fp32
-    [T, head_dim / 2]; slots int64 [T]; block_tables, seq_lens, rows as `paged_decode`
-    takes them (every row of the step a decode row)."""
-    assert x.is_contiguous() and x.dtype in DTYPES
-    assert slots.dtype == rows.dtype == torch.int64
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32
-    assert block_tables.is_contiguous() and block_tables.dtype == seq_lens.dtype == torch.int32
-    getattr(library(), f"kvray_decode_layers_{_suffix(x.dtype)}")(
-        ctypes.addressof(layers),
-        len(layers),
-        ctypes.addressof(shape),
-        x.data_ptr(),
-        x.shape[0],
-        cos.data_ptr(),
-        sin.data_ptr(),
-        slots.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        rows.data_ptr(),
-        len(rows),
-        torch.get_num_threads(),
-    )
-    return x
-
-
-def decode_step(
-    layers: ctypes.Array,
-    shape: DecodeShape,
-    embed: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    tokens: list[int],
-    positions: list[int],
-    slots: list[int],
-    block_tables: list[list[int]],
-    seq_lens: list[int],
-    head: tuple[torch.Tensor, Panels] | None = None,
-) -> torch.Tensor | StepLogits | None:
-    """A decode step from its tokens in one call (kernels/cpu_layer.c): the embedding's rows
-    (embed [vocab, hidden], contiguous, the layers' dtype), the RoPE tables' rows (fp32
-    [max_positions, head_dim / 2] each) and every layer; the residual stream out of the last
-    layer [T, hidden], or None where a token or a position is outside its table. With
-    `head` (the final norm's weight, the LM head's panels, the layers' dtype): that norm and
-    the head in the same call, and a StepLogits instead: the fp32 logits [T, n] (the head's
-    output in the layers' dtype, widened) and each row's argmax, found while the logits
-    were in the cores' caches. One row a sequence (every row a decode row), block tables padded
-    to one width; the step's plan built here from Python lists, no tensors."""
-    rows = len(tokens)
-    order = sorted(range(rows), key=seq_lens.__getitem__)  # ascending (kvray_decode_plan)
-    width = len(block_tables[0])
-    i32, i64 = ctypes.c_int32, ctypes.c_int64
-    tables = (i32 * (rows * width))(*(b for r in order for b in block_tables[r]))
-    lens = (i32 * rows)(*(seq_lens[r] for r in order))
-    cos, sin = rope
-    x = torch.empty(rows, shape.hidden, dtype=embed.dtype)
-    out, ends = None, None
-    if head is not None:
-        norm, panels = head
-        assert norm.dtype == panels.data.dtype == embed.dtype and norm.is_contiguous()
-        assert panels.k == shape.hidden
-        logits = torch.empty(rows, panels.n, dtype=torch.float32)
-        out = StepLogits(logits, torch.empty(rows, dtype=torch.int64))
-        ptrs = (out.logits.data_ptr(), out.argmax.data_ptr())
-        ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, *ptrs))
-    status = getattr(library(), f"kvray_decode_step_{_suffix(embed.dtype)}")(
-        ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), rows,
-        embed.data_ptr(), embed.shape[0], (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-        (i64 * rows)(*positions), (i64 * rows)(*slots), tables, width, lens, (i64 * rows)(*order), rows,
-        torch.get_num_threads(), ends,
-    )  # fmt: skip
-    if status != 0:
-        return None
-    return x if out is None else out

@@ -17,6 +17,7 @@ from torch import nn
 from kvray.errors import InvalidArgumentError
 from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata, LayerKV
+from kvray.kernels.cpu_fused import StepLogits
 from kvray.models import native_decode
 from kvray.models.cpu_linear import linear, pack_weight, panels_for
 from kvray.models.layers import (
@@ -175,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache, backend, meta)
         return x
 
-    def decode_step(self, plan, kv_caches: list[LayerKV]) -> cpu_native.StepLogits | None:
+    def decode_step(self, plan, kv_caches: list[LayerKV]) -> StepLogits | None:
         """A CPU decode step of one token a sequence (`plan`: the runner's StepPlan) from its
         token ids to its fp32 logits [T, vocab] and their argmax in one native call
         (native_decode: the embedding, every layer, then the final norm and the LM head as
@@ -184,10 +185,10 @@ class LlamaForCausalLM(nn.Module):
         native = native_decode.for_model(self, kv_caches)
         if native is None or not hasattr(self, "embed_tokens") or not hasattr(self, "norm"):
             return None
-        head = self.panels_head
-        if head is None or head.n != self.config.vocab_size or head.data.dtype != native.dtype:
+        head = self.panels_head  # None where the head's weight has no panels: the modules run
+        if head is None or head.n != self.config.vocab_size:
             return None
-        if self.norm.weight.dtype != native.dtype:
+        if not head.data.dtype == self.norm.weight.dtype == native.dtype:
             return None
         return native.step(self.embed_tokens.weight, self.rotary, plan, (self.norm.weight, head))
 

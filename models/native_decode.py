@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from kvray.kernels import cpu_native
+from kvray.kernels import cpu_fused, cpu_native
 from kvray.kernels.torch_backend import decode_only
 
 
@@ -44,7 +44,7 @@ class NativeDecode:
         cfg, first = model.config, model.layers[0]
         attn = first.self_attn
         self.dtype = first.input_layernorm.weight.dtype
-        self.shape = cpu_native.DecodeShape(
+        self.shape = cpu_fused.DecodeShape(
             hidden=cfg.hidden_size,
             num_q_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
@@ -55,7 +55,7 @@ class NativeDecode:
             eps=first.input_layernorm.eps,
             scale=attn.scale,
         )
-        self.layers = (cpu_native.DecodeLayer * len(model.layers))()
+        self.layers = (cpu_fused.DecodeLayer * len(model.layers))()
         for entry, layer, kv in zip(self.layers, model.layers, kv_caches):
             a, mlp = layer.self_attn, layer.mlp
             entry.input_norm = _ptr(layer.input_layernorm.weight)
@@ -102,7 +102,7 @@ class NativeDecode:
         cos, sin = rope
         if cos.dtype != torch.float32:
             return None
-        return cpu_native.decode_layers(
+        return cpu_fused.decode_layers(
             self.layers,
             self.shape,
             x.contiguous(),
@@ -114,17 +114,16 @@ class NativeDecode:
             rows.rows,
         )
 
-    def step(self, embed: torch.Tensor, rotary, plan, head=None) -> torch.Tensor | None:
+    def step(self, embed: torch.Tensor, rotary, plan, head) -> cpu_fused.StepLogits | None:
         """A decode step from its tokens (`plan`: a StepPlan of one token a sequence): the
-        embedding, RoPE tables and every layer in one call; the hidden states out of the
-        last layer (with `head`, the final norm's weight and the LM head's panels: the fp32
-        logits and their argmax, a cpu_native.StepLogits), or None where it does not qualify
-        (the caller then runs the modules)."""
+        embedding, RoPE tables, every layer and `head` (the final norm's weight, the LM
+        head's panels) in one call: the fp32 logits and their argmax, or None where it does
+        not qualify (the caller then runs the modules)."""
         if len(plan.input_ids) > cpu_native.LINEAR_ROWS[self.dtype] or embed.dtype != self.dtype:
             return None
         if not (embed.is_contiguous() and rotary.cos.is_contiguous() and rotary.sin.is_contiguous()):
             return None
-        return cpu_native.decode_step(
+        return cpu_fused.decode_step(
             self.layers,
             self.shape,
             embed,

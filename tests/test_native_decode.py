@@ -80,7 +80,7 @@ def _count_fused(monkeypatch):
         rows.append(x.shape[0] if out is not None else 0)
         return out
 
-    def step(self, embed, rotary, plan, head=None):
+    def step(self, embed, rotary, plan, head):
         out = real_step(self, embed, rotary, plan, head)
         rows.append(len(plan.input_ids) if out is not None else 0)
         return out
@@ -120,8 +120,8 @@ def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(saved_model, mon
     """The runner's one-call decode step (the embedding's rows, the RoPE tables' rows,
     every layer, the final norm and the LM head, from the plan's lists) gives the logits
     the model's forward and compute_logits give through the same fused layers, bit for
-    bit, and their argmax, step after step of a batch; a token or a position outside its table declines it
-    (None: the modules then raise or run it)."""
+    bit, and their argmax, step after step of a batch; a token or a position outside its
+    table declines it (None: the modules then raise or run it)."""
     if dtype == "bfloat16" and not cpu_has_native_bf16():
         pytest.skip("bf16 runs natively only where the CPU multiplies it")
     monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
@@ -146,11 +146,12 @@ def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(saved_model, mon
     assert len(same) >= 7 and all(same), (name, same)
     native, model = native_decode.for_model(runner.model, runner.kv_caches), runner.model
     plan = StepPlan([256], [0], [0], [1], [1], [[0]], [0], [], [])  # token 256: past the vocabulary
-    assert native.step(model.embed_tokens.weight, model.rotary, plan) is None
+    head = (model.norm.weight, model.panels_head)
+    assert native.step(model.embed_tokens.weight, model.rotary, plan, head) is None
     plan.input_ids, plan.positions = [5], [256]  # past max_model_len's RoPE tables
-    assert native.step(model.embed_tokens.weight, model.rotary, plan) is None
+    assert native.step(model.embed_tokens.weight, model.rotary, plan, head) is None
     plan.positions = [0]
-    assert native.step(model.embed_tokens.weight, model.rotary, plan) is not None
+    assert native.step(model.embed_tokens.weight, model.rotary, plan, head) is not None
     assert_no_leaks(llm)
 
 
