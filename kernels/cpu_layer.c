@@ -40,7 +40,7 @@
 #include "cpu_share.h"
 #include "cpu_vec.h"
 
-typedef struct { /* one layer's tensors (the model's dtype), as cpu_native.DecodeLayer lays them out */
+typedef struct { /* one layer's tensors (the model's dtype), as cpu_fused.DecodeLayer lays them out */
     const void *input_norm, *post_norm;           /* [hidden] */
     const void *qkv, *o, *gate_up, *down;         /* weights in the panels' layout */
     const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* or NULL */
