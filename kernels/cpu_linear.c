@@ -33,9 +33,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
                                                        const char *ahead, int64_t ahead_bytes) {
     v8 acc[MAX_ROWS][2];
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = (v8){0};
+    /* the prefetch's bytes a k step, in 1/65536ths: a division in the loop (kk * bytes / k)
+     * was a 64-bit `idiv` every k step, 15-45 cycles on a Zen 2, beside 12 FMAs: a 32-row
+     * step's matmuls there ran at 59 GFLOP/s, 164 without it (BENCHMARKS.md) */
+    const int64_t step = ahead ? (ahead_bytes << 16) / k : 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const v8 lo = load8(panel + kk * PANEL), hi = load8(panel + kk * PANEL + 8);
-        if (ahead) prefetch_l2(ahead + kk * ahead_bytes / k); /* at most a line a step */
+        if (ahead) prefetch_l2(ahead + ((kk * step) >> 16)); /* at most a line a step */
         for (int i = 0; i < rows; i++) {
             const float xv = x[i * x_stride + kk];
             const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -116,15 +120,18 @@ void kvray_linear_panel_f32(const float *x, int64_t x_stride, const float *w_pan
                             int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p) {
     const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
     const float *b = bias ? bias + p * PANEL : 0;
-    /* the later tiles prefetch the next panel, a share each (as the bf16 panels below) */
+    /* rows shared evenly among the fewest tiles (8 rows: 4 + 4, not 6 + 2: a 2-row tile
+     * waits on its FMAs' latency), and every tile prefetches a share of the next panel, the
+     * first included (as the bf16 panels below): at 2-12 rows on a Zen 2, 30 layers' weights
+     * streamed at 13-18 GB/s with only the later tiles prefetching, 19-23 with all */
     const int64_t panel_bytes = k * PANEL * (int64_t)sizeof(float);
-    const int64_t later = (m + MAX_ROWS - 1) / MAX_ROWS - 1;
+    const int64_t tiles = (m + MAX_ROWS - 1) / MAX_ROWS, per_tile = (m + tiles - 1) / tiles;
     const char *next = p + 1 < kvray_linear_num_panels(n, 0) ? (const char *)(w_panels + (p + 1) * k * PANEL) : 0;
-    for (int64_t r = 0, t = 0; r < m; r += MAX_ROWS, t++) {
-        const int rows = m - r < MAX_ROWS ? (int)(m - r) : MAX_ROWS;
-        const char *ahead = t > 0 && next ? next + (t - 1) * panel_bytes / later : 0;
+    for (int64_t r = 0, t = 0; r < m; r += per_tile, t++) {
+        const int rows = m - r < per_tile ? (int)(m - r) : (int)per_tile;
+        const char *ahead = next ? next + t * panel_bytes / tiles : 0;
         TILES[rows](x + r * x_stride, x_stride, w_panels + p * k * PANEL, k, out + r * out_stride + p * PANEL,
-                    out_stride, b, cols, ahead, later ? panel_bytes / later : 0);
+                    out_stride, b, cols, ahead, panel_bytes / tiles);
     }
 }
 
@@ -177,11 +184,12 @@ static inline __attribute__((always_inline)) void tile_bf16(const bf16 *x, int64
      * token among a verification's drafts round alike) */
     __m512 acc[MAX_ROWS_BF16][2];
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const int64_t step = ahead ? (ahead_bytes << 16) / pairs : 0; /* bytes a pair, 1/65536ths (as tile) */
     for (int64_t j = 0; j < pairs; j++) {
         const bf16 *w = panel + j * 2 * PANEL_BF16;
         const __m512bh lo = (__m512bh)_mm512_loadu_si512(w), hi = (__m512bh)_mm512_loadu_si512(w + PANEL_BF16);
         if (ahead) { /* this tile's share of the next panel: at most 128 bytes a pair */
-            const char *a = ahead + j * ahead_bytes / pairs;
+            const char *a = ahead + ((j * step) >> 16);
             prefetch_l2(a);
             if (ahead_bytes > 64 * pairs) prefetch_l2(a + 64);
         }
