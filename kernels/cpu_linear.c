@@ -115,6 +115,13 @@ STREAMS_F(2) STREAMS_F(3) STREAMS_F(4) STREAMS_F(5) STREAMS_F(6)
 static const streams_f32_fn STREAMS_F32_FNS[STREAMS_F32 + 1] = {0, 0, streams_f32_2, streams_f32_3,
                                                                 streams_f32_4, streams_f32_5, streams_f32_6};
 
+/* m rows shared evenly among the fewest tiles of at most `most` rows (9 rows of 8-row tiles:
+ * 5 + 4, not 8 + 1) */
+static int64_t rows_per_tile(int64_t m, int64_t most) {
+    const int64_t tiles = (m + most - 1) / most;
+    return (m + tiles - 1) / tiles;
+}
+
 /* Panel p of out = x W^T (+ b), for all m rows */
 void kvray_linear_panel_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
                             int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p) {
@@ -125,7 +132,7 @@ void kvray_linear_panel_f32(const float *x, int64_t x_stride, const float *w_pan
      * first included (as the bf16 panels below): at 2-12 rows on a Zen 2, 30 layers' weights
      * streamed at 13-18 GB/s with only the later tiles prefetching, 19-23 with all */
     const int64_t panel_bytes = k * PANEL * (int64_t)sizeof(float);
-    const int64_t tiles = (m + MAX_ROWS - 1) / MAX_ROWS, per_tile = (m + tiles - 1) / tiles;
+    const int64_t per_tile = rows_per_tile(m, MAX_ROWS), tiles = (m + per_tile - 1) / per_tile;
     const char *next = p + 1 < kvray_linear_num_panels(n, 0) ? (const char *)(w_panels + (p + 1) * k * PANEL) : 0;
     for (int64_t r = 0, t = 0; r < m; r += per_tile, t++) {
         const int rows = m - r < per_tile ? (int)(m - r) : (int)per_tile;
@@ -299,15 +306,9 @@ static const tile_bf16_fn TILES_BF16[MAX_ROWS_BF16 + 1] = {0,           tile_bf1
                                                            tile_bf16_3, tile_bf16_4, tile_bf16_5,
                                                            tile_bf16_6, tile_bf16_7, tile_bf16_8};
 
-/* rows shared evenly among the fewest tiles (9 rows: 5 + 4, not 8 + 1) */
-static int64_t rows_per_tile_bf16(int64_t m) {
-    const int64_t tiles = (m + MAX_ROWS_BF16 - 1) / MAX_ROWS_BF16;
-    return (m + tiles - 1) / tiles;
-}
-
 void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
                              int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p) {
-    const int64_t per_tile = rows_per_tile_bf16(m);
+    const int64_t per_tile = rows_per_tile(m, MAX_ROWS_BF16);
     const int cols = n - p * PANEL_BF16 < PANEL_BF16 ? (int)(n - p * PANEL_BF16) : PANEL_BF16;
     const bf16 *b = bias ? bias + p * PANEL_BF16 : 0;
     /* One tile streams the panel from memory, its compute hidden under the stream. Where
