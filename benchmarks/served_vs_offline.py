@@ -9,7 +9,9 @@ runs `--max-concurrency` other prompts of the mix (seed + 1) at that concurrency
 measured prompt finds its prefix cached and every slot of a server has run once
 (llama.cpp's server runs a slot's first request at about half speed). For a kvray server it
 also prints how many measured prompts were prefilled on a decode worker
-(`kvray:local_prefills_total`, `router.max_local_prefill_length`).
+(`kvray:local_prefills_total`, `router.max_local_prefill_length`), recomputed there
+instead of pulled (`kvray:kv_recompute_total`: a decode worker whose KV cache had no room)
+and preempted (`kvray:num_preemptions_total`).
 
     python benchmarks/served_vs_offline.py [--presets smollm2-cpu,smollm2-cpu-pd]
         [--baseline-src DIR]              # also serve the presets from another kvray tree
@@ -68,16 +70,27 @@ def bench_args(args) -> list[str]:
     ]  # fmt: skip
 
 
-def local_prefills(url: str) -> float | None:
-    """kvray's `kvray:local_prefills_total` on url's /metrics (None: another server)."""
+# kvray's counters read around each measured run: result key -> metric
+COUNTERS = {
+    "local_prefills": "kvray:local_prefills_total",  # PD: prompts prefilled on a decode worker
+    "kv_recomputes": "kvray:kv_recompute_total",  # PD: prompts a decode worker recomputed
+    "preemptions": "kvray:num_preemptions_total",
+}
+
+
+def counters(url: str) -> dict[str, float] | None:
+    """kvray's COUNTERS on url's /metrics, each summed over its labels (None: another server)."""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
             text = r.read().decode()
     except OSError:
         return None
-    name = "kvray:local_prefills_total"
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
-    return sum(values) if values else None
+    found: dict[str, float] = {}
+    for key, name in COUNTERS.items():
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+        if values:
+            found[key] = sum(values)
+    return found or None
 
 
 def served(url: str, model: str, args) -> dict:
@@ -86,11 +99,11 @@ def served(url: str, model: str, args) -> dict:
         "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--disable-tqdm",
     ]  # fmt: skip
     run_load(url, model, warm)  # the offline run's warm-up prompts
-    before = local_prefills(url)
+    before = counters(url)
     result = run_load(url, model, bench_args(args))
-    after = local_prefills(url)
-    if before is not None and after is not None:  # a PD preset's prompts prefilled where they decode
-        result["local_prefills"] = int(after - before)
+    after = counters(url)
+    if before is not None and after is not None:
+        result.update({k: int(after[k] - before.get(k, 0)) for k in after})
     return result
 
 
@@ -184,10 +197,17 @@ def main() -> None:
     for name, runs in results.items():
         print(summary_row(name, [r["output_throughput"] for r in runs], bases, runs))
     for name, runs in results.items():
-        local = [r["local_prefills"] for r in runs if r.get("local_prefills")]
-        if local:
-            counts = " / ".join(map(str, local))
-            print(f"\n{name}: {counts} of {runs[0]['completed']} prompts prefilled on the decode worker")
+        said = [
+            f"{' / '.join(str(r.get(key, 0)) for r in runs)} {what}"
+            for key, what in (
+                ("local_prefills", "prompts prefilled on the decode worker"),
+                ("kv_recomputes", "prompts recomputed on the decode worker (not pulled)"),
+                ("preemptions", "preemptions"),
+            )
+            if any(r.get(key) for r in runs)
+        ]
+        if said:
+            print(f"\n{name}, of {runs[0]['num_prompts']} requests a round: " + "; ".join(said))
     if args.save:
         slim = {
             k: [{m: v for m, v in r.items() if not isinstance(v, list)} for r in runs]

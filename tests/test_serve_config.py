@@ -20,7 +20,9 @@ def test_presets_validate_and_build(preset, disaggregated):
     assert config.engine["dtype"] == "auto"  # fp32 on a CPU without bf16 instructions
     pools = [config.prefill, config.decode] if disaggregated else [config.mixed]
     assert all(p.num_workers == 1 and p.num_cpus <= 1 for p in pools)
-    assert sum(p.torch_threads for p in pools) == 2  # the 2-core machine's cores, no more
+    # the 2-core machine's cores: the colocated worker both; in PD the decode worker's steps
+    # both (one core's memory bandwidth is half the machine's) and the prefill worker one
+    assert [p.torch_threads for p in pools] == ([1, 2] if disaggregated else [2])
     assert config.router.num_replicas == 2  # the control plane survives a replica
     if disaggregated:
         assert config.kv_transfer.connector == "torch_dist"
