@@ -1,6 +1,8 @@
-"""The decode role: take (request, first token, ticket) (`decode`), reserve blocks, pull
-the prompt's KV through this worker's connector, and continue the request in the
-continuous batch. A failed pull recomputes the prompt here (counted in `kv_recomputes`).
+"""The decode role: take (request, first token, ticket) (`decode`), reserve blocks (or
+wait for some to free up, while the prefill's pin lasts), pull the prompt's KV through
+this worker's connector, and continue the request in the continuous batch. A failed pull,
+or a pin that would lapse before blocks free up, recomputes the prompt here (counted in
+`kv_recomputes`).
 
 This is the pulling half of a KV hand-off (actors/kv_pull.py, actors/connectors.py).
 """
@@ -31,27 +33,32 @@ class DecodeWorker(EngineWorker):
         KV is pulled (or recomputed) and the request joins the batch."""
         outbox = self._admit(req)
         rid = req.request_id
+        ticket = handoff.ticket
         try:
-            _, blocks = await self.llm.add_prefilled_request(
+            _, room = await self.llm.add_prefilled_request(
                 rid,
                 {"prompt_token_ids": req.prompt_token_ids},
                 req.params,
                 handoff.first_token,
                 handoff.first_logprobs,
                 sink=outbox,
+                pull_deadline=ticket.lease_deadline if ticket is not None and prefill is not None else None,
             )
         except BaseException:
             outbox.unregister(rid)
             raise
-        if blocks is not None:
-            self.pulling[rid] = False
-            asyncio.ensure_future(self._pull(handoff, prefill, rid, blocks))
-        elif handoff.ticket is not None and prefill is not None:
-            prefill.release_kv.remote(rid)  # nothing to pull: let the pin go now
+        asyncio.ensure_future(self._pull(handoff, prefill, rid, room))
 
-    async def _pull(self, handoff: PrefillResult, prefill, rid: str, blocks: list[int]) -> None:
-        """Runs to its end even if the request is aborted meanwhile: a pull cut off midway
-        would break the pair group and leave the blocks half written."""
+    async def _pull(self, handoff: PrefillResult, prefill, rid: str, room: asyncio.Future) -> None:
+        """Once the engine has blocks for it (at once, or when some free up), pull the
+        prompt's KV into them. Runs to its end even if the request is aborted meanwhile: a
+        pull cut off midway would break the pair group and leave the blocks half written."""
+        blocks = await room
+        if blocks is None:  # nothing to pull (ended, aborted, or recomputed here)
+            if handoff.ticket is not None and prefill is not None:
+                prefill.release_kv.remote(rid)  # let the pin go now
+            return
+        self.pulling[rid] = False
         ok = False
         try:
             ok = await self.puller.pull(handoff.ticket, prefill, self.llm.kv_cache, blocks)

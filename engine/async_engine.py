@@ -84,6 +84,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, OutputSink] = {}  # request id -> where its outputs go
+        self._rooms: dict[str, Future] = {}  # prefilled request waiting for blocks -> its future
         self._stopped = False
         # The engine is built on the loop thread, so that one thread is OpenMP's master for
         # the life of the engine: a second master (the caller, loading the weights) keeps a
@@ -163,15 +164,19 @@ class AsyncLLM:
         first_token: int,
         first_logprobs=None,
         sink: OutputSink | None = None,
-    ) -> tuple[OutputStream | None, list[int] | None]:
+        pull_deadline: float | None = None,
+    ) -> tuple[OutputStream | None, asyncio.Future]:
         """Continue a request prefilled elsewhere (see LLMEngine.add_prefilled_request);
-        returns its stream (None with a `sink`) and the blocks to pull the prompt's KV
-        into, if any."""
+        returns, once it is accepted, its stream (None with a `sink`) and a future of the
+        blocks to pull the prompt's KV into (then `finish_kv_pull`), or of None for no
+        pull: at once, or when blocks free up for a request that waits for room."""
         stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
-        add = (request_id, stream or sink, prompt, sampling_params, first_token, first_logprobs, accepted)
-        self._send(("add_prefilled", *add))
-        return stream, await asyncio.wrap_future(accepted)
+        room: Future = Future()
+        add = (request_id, stream or sink, prompt, sampling_params, first_token, first_logprobs)
+        self._send(("add_prefilled", *add, pull_deadline, accepted, room))
+        await asyncio.wrap_future(accepted)
+        return stream, asyncio.wrap_future(room)
 
     async def call(self, fn, *args):
         """Run `fn(*args)` on the loop thread, between steps, and return its result."""
@@ -254,6 +259,7 @@ class AsyncLLM:
             start_cpu = time.thread_time() if trace is not None else 0.0
             self._drain_commands()
             engine.expire_kv_leases()
+            self._grant_rooms()
             self._publish(engine.take_pending_outputs())
             if not engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)
@@ -314,17 +320,37 @@ class AsyncLLM:
             else:
                 self._publish(self.engine.abort_request([command[1]]))
 
-    def _add_prefilled(self, rid, sink, prompt, params, first_token, first_logprobs, accepted) -> None:
+    def _add_prefilled(
+        self, rid, sink, prompt, params, first_token, first_logprobs, pull_deadline, accepted, room
+    ) -> None:
+        engine = self.engine
         try:
-            blocks = self.engine.add_prefilled_request(rid, prompt, params, first_token, first_logprobs)
+            blocks = engine.add_prefilled_request(
+                rid, prompt, params, first_token, first_logprobs, pull_deadline=pull_deadline
+            )
         except Exception as e:
             _settle(accepted, error=e)
             return
         self._streams[rid] = sink
-        if not _settle(accepted, blocks):  # the caller left: nobody will pull or read
-            self._publish(self.engine.abort_request([rid]))
+        if not _settle(accepted, None):  # the caller left: nobody will pull or read
+            self._publish(engine.abort_request([rid]))
             if blocks is not None:
-                self.engine.finish_kv_pull(rid, ok=False)
+                engine.finish_kv_pull(rid, ok=False)
+            blocks = None
+        if engine.waits_for_room(rid):
+            self._rooms[rid] = room  # settled by _grant_rooms
+        else:
+            self._give_room(rid, room, blocks)
+
+    def _grant_rooms(self) -> None:
+        """Blocks freed since the last step go to the prefilled requests waiting to pull."""
+        if self._rooms:
+            for rid, blocks in self.engine.grant_pull_room():
+                self._give_room(rid, self._rooms.pop(rid), blocks)
+
+    def _give_room(self, rid: str, room: Future, blocks: list[int] | None) -> None:
+        if not _settle(room, blocks) and blocks is not None:  # nobody left to pull into them
+            self.engine.finish_kv_pull(rid, ok=False)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Hand each sink its outputs of this step in one call on its loop."""

@@ -88,11 +88,13 @@ class PrefillHandoff:
 
 class DecodeHandoff:
     """Requests prefilled elsewhere whose prompt KV is being written into blocks reserved
-    here. They are outside the scheduler until the pull reports back."""
+    here, and those waiting for blocks to pull into (in arrival order, each until its
+    prefill's pin would lapse). They are outside the scheduler until the pull reports back."""
 
     def __init__(self) -> None:
         self.pulls: dict[str, Request] = {}
-        self.num_recomputes = 0  # prompts recomputed here: no room to pull, or a pull failed
+        self.waiting: dict[str, tuple[Request, float]] = {}  # request id -> (it, pin deadline)
+        self.num_recomputes = 0  # prompts recomputed here: a pin lapsed waiting, or a pull failed
 
     def begin(self, request: Request) -> None:
         self.pulls[request.request_id] = request
@@ -103,5 +105,8 @@ class DecodeHandoff:
     def get(self, request_id: str) -> Request | None:
         return self.pulls.get(request_id)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.pulls or request_id in self.waiting
+
     def __len__(self) -> int:
-        return len(self.pulls)
+        return len(self.pulls) + len(self.waiting)

@@ -34,6 +34,9 @@ from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 from kvray.models.parallel import ShardContext
 
 logger = logging.getLogger(__name__)
+# a pull begun later than this before its prefill's pin lapses may find the blocks gone:
+# a prefilled request waiting for room recomputes its prompt instead
+PULL_MARGIN_S = 1.0
 
 PromptInput = str | dict | list  # text, {"prompt_token_ids": [...]}, or token ids
 
@@ -223,7 +226,7 @@ class LLMEngine:
         self.validate(ids + list(generated), params)
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys() | self.pins.pins.keys()
-        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls.pulls:
+        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls:
             raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
         group = SampleGroup(params.n) if params.n > 1 else None
         so = params.structured_outputs
@@ -269,10 +272,11 @@ class LLMEngine:
             samples = self.outputs.samples_of(rid)
             if not samples:
                 continue
-            pulling = self.pulls.get(rid)
+            pulling = self.pulls.get(rid) or self.pulls.waiting.get(rid, (None,))[0]
             if pulling is not None:
                 # A transfer may still be writing into its blocks: they are freed when the
-                # pull reports back (finish_kv_pull), never before.
+                # pull reports back (finish_kv_pull), never before. (One waiting for blocks
+                # leaves at the next `grant_pull_room`.)
                 pulling.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.abort([s.request_id for s in samples])
             for s in samples:
@@ -395,11 +399,15 @@ class LLMEngine:
         first_token: int,
         first_logprobs=None,
         priority: int = 0,
+        pull_deadline: float | None = None,
     ) -> list[int] | None:
         """Continue a request whose prompt was prefilled elsewhere and whose first token
         was sampled there. Returns the blocks to pull the prompt's KV into, then call
-        `finish_kv_pull`; None when no pull is wanted (the first token already ended the
-        request, or no blocks are free now and the prompt is queued for recompute).
+        `finish_kv_pull`; None when there are none now: the first token ended the request,
+        or no blocks are free. Then, with a `pull_deadline` (wall-clock time when the
+        prefill's pin lapses) still ahead, it waits for blocks (`waits_for_room`) and
+        `grant_pull_room` hands them out as they free up (vLLM's decode side waits so too);
+        without, or once it is too near, the prompt is queued for recompute here.
 
         The first token's output (final if it ended the request) goes to
         `pending_outputs`, made like every later one: the same stop strings, hold-back
@@ -421,12 +429,46 @@ class LLMEngine:
             return None
         # not indexed in the prefix cache until the data has arrived (finish_kv_pull)
         blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
-        if blocks is None:  # no room right now: recompute when blocks free up
-            self.pulls.num_recomputes += 1
-            self.scheduler.add_request(req)
+        if blocks is None:  # no room right now: pull once there is, or recompute
+            if pull_deadline is not None and time.time() < pull_deadline - PULL_MARGIN_S:
+                self.pulls.waiting[request_id] = (req, pull_deadline)
+            else:
+                self.pulls.num_recomputes += 1
+                self.scheduler.add_request(req)
             return None
         self.pulls.begin(req)
         return blocks
+
+    def waits_for_room(self, request_id: str) -> bool:
+        """Whether a prefilled request waits for blocks to pull its prompt into."""
+        return request_id in self.pulls.waiting
+
+    def grant_pull_room(self, now: float | None = None) -> list[tuple[str, list[int] | None]]:
+        """Blocks for the requests waiting to pull, first come first served, as far as the
+        free blocks go (before the next step's new requests take them): (request id, the
+        blocks to pull into, then `finish_kv_pull`) each, or (request id, None) for one
+        that will not pull: aborted meanwhile, or its pin about to lapse (then it is
+        queued for recompute here)."""
+        now = time.time() if now is None else now
+        decided: list[tuple[str, list[int] | None]] = []
+        for rid, (req, deadline) in list(self.pulls.waiting.items()):
+            if req.finished:  # aborted while it waited
+                del self.pulls.waiting[rid]
+                decided.append((rid, None))
+                continue
+            if now >= deadline - PULL_MARGIN_S:
+                del self.pulls.waiting[rid]
+                self.pulls.num_recomputes += 1
+                self.scheduler.add_request(req)
+                decided.append((rid, None))
+                continue
+            blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
+            if blocks is None:
+                break  # the first in line waits on; those behind it too
+            del self.pulls.waiting[rid]
+            self.pulls.begin(req)
+            decided.append((rid, blocks))
+        return decided
 
     def finish_kv_pull(self, request_id: str, ok: bool) -> None:
         """The pull into the reserved blocks finished (ok) or failed (recompute here)."""

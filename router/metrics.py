@@ -212,7 +212,7 @@ class _Collector:
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_hits"),
             "num_preemptions": ("Requests preempted (recomputed later).", "num_preemptions"),
             "kv_transfer_bytes": ("KV bytes pulled in plus sent out.", "kv_transfer_bytes"),
-            "kv_recompute": ("Prompts recomputed: a KV pull failed, came late or found no free blocks.", "kv_recomputes"),
+            "kv_recompute": ("Prompts recomputed, not pulled (failed, or no room in time).", "kv_recomputes"),
         }
         for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, attr) in table.items():

@@ -1,0 +1,80 @@
+"""A prefilled request that finds no free blocks on the decode side waits for some (while
+its prefill's pin lasts) and pulls then, instead of recomputing its prompt there."""
+
+from __future__ import annotations
+
+import time
+
+from test_known_defects import _tiny_config
+
+from kvray.engine import SamplingParams
+from kvray.engine.config import EngineConfig
+from kvray.engine.llm_engine import PULL_MARGIN_S, LLMEngine
+
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # layers x (K, V) x block_size x KV heads x head_dim x fp32
+
+
+def _engine() -> LLMEngine:
+    config = EngineConfig(model="tiny", dtype="float32", kv_cache_memory_bytes=10 * BLOCK_BYTES)
+    engine = LLMEngine(config, hf_config=_tiny_config())
+    assert engine.kv.pool.num_available == 10
+    return engine
+
+
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+LATER = time.time() + 3600  # a pin that lasts
+
+
+def _fill(engine: LLMEngine) -> None:
+    """A pulled 100-token prompt takes 7 of the 10 blocks, and runs."""
+    assert len(engine.add_prefilled_request("big", list(range(1, 101)), PARAMS, 7, pull_deadline=LATER)) == 7
+    engine.finish_kv_pull("big", ok=True)
+
+
+def test_waits_for_blocks_then_pulls_without_recomputing():
+    engine = _engine()
+    _fill(engine)
+    # 60 tokens need 4 blocks; 3 are free
+    assert engine.add_prefilled_request("late", list(range(101, 161)), PARAMS, 7, pull_deadline=LATER) is None
+    assert engine.waits_for_room("late") and engine.has_unfinished_requests()
+    assert engine.grant_pull_room() == []  # still no room: it waits on
+    while "big" in engine.outputs.tracked:
+        engine.step()
+        granted = engine.grant_pull_room()
+    ((rid, blocks),) = granted
+    assert rid == "late" and len(blocks) == 4 and not engine.waits_for_room("late")
+    engine.finish_kv_pull("late", ok=True)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.outputs[0].token_ids[0] for o in outs if o.finished] == [7]  # its first token kept
+    assert engine.num_kv_recomputes == 0
+    assert engine.kv_cache_stats().used_blocks == 0
+
+
+def test_recomputes_when_the_pin_would_lapse_first():
+    engine = _engine()
+    _fill(engine)
+    soon = time.time() + PULL_MARGIN_S + 60
+    assert engine.add_prefilled_request("late", list(range(101, 161)), PARAMS, 7, pull_deadline=soon) is None
+    assert engine.grant_pull_room(now=soon - PULL_MARGIN_S) == [("late", None)]  # too near: recompute
+    assert engine.num_kv_recomputes == 1 and not engine.waits_for_room("late")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache_stats().used_blocks == 0
+    # no deadline (no pin to pull from): recomputed at once
+    _fill(engine)
+    assert engine.add_prefilled_request("now", list(range(101, 161)), PARAMS, 7) is None
+    assert not engine.waits_for_room("now") and engine.num_kv_recomputes == 2
+
+
+def test_aborted_while_waiting_takes_no_blocks():
+    engine = _engine()
+    _fill(engine)
+    assert engine.add_prefilled_request("late", list(range(101, 161)), PARAMS, 7, pull_deadline=LATER) is None
+    final = engine.abort_request(["late"])[-1]  # (after its first token's output)
+    assert final.request_id == "late" and final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.grant_pull_room() == [("late", None)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache_stats().used_blocks == 0 and engine.num_kv_recomputes == 0
