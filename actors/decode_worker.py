@@ -10,6 +10,7 @@ This is the pulling half of a KV hand-off (actors/kv_pull.py, actors/connectors.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvray.actors.connectors import CONNECTORS
 from kvray.actors.kv_pull import KVPuller
@@ -34,6 +35,10 @@ class DecodeWorker(EngineWorker):
         outbox = self._admit(req)
         rid = req.request_id
         ticket = handoff.ticket
+        # the pin's end by this host's clock too (the ticket's is the prefill host's)
+        pin_end = None
+        if ticket is not None and prefill is not None:
+            pin_end = min(ticket.lease_deadline, time.time() + self.kv_config.lease_seconds)
         try:
             _, room = await self.llm.add_prefilled_request(
                 rid,
@@ -42,7 +47,7 @@ class DecodeWorker(EngineWorker):
                 handoff.first_token,
                 handoff.first_logprobs,
                 sink=outbox,
-                pull_deadline=ticket.lease_deadline if ticket is not None and prefill is not None else None,
+                pull_deadline=pin_end,
             )
         except BaseException:
             outbox.unregister(rid)

@@ -279,6 +279,8 @@ class AsyncLLM:
                 # nothing could run (e.g. only KV pulls in flight): wait for a command
                 self._wake.wait(timeout=0.005)
                 self._wake.clear()
+        for rid in list(self._rooms):  # stopped: no blocks will come (the pins lapse)
+            _settle(self._rooms.pop(rid), None)
         if trace is not None:
             trace.close()
         engine.shutdown()  # from this thread: never between a step's messages to the shards

@@ -57,7 +57,7 @@ class EngineStats:
     queued_prompt_tokens: int  # prompt tokens admitted or waiting, not yet computed
     kv: KVCacheStats
     num_pinned: int  # prefilled prompts held for a decode worker's pull
-    num_pulling: int  # prompts whose KV is arriving here
+    num_pulling: int  # prompts whose KV is arriving here, or waits for blocks to arrive in
     num_kv_recomputes: int
     prefix_queries: int
     prefix_hits: int
@@ -350,7 +350,7 @@ class LLMEngine:
         requests = [*sched.waiting, *sched.running]
         return EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + len(self.pulls.waiting),  # (those waiting to pull too)
             queued_prompt_tokens=sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests),
             kv=self.kv.stats(),
             num_pinned=len(self.handoff),
@@ -428,7 +428,9 @@ class LLMEngine:
         if reason is not None:
             return None
         # not indexed in the prefix cache until the data has arrived (finish_kv_pull)
-        blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
+        # behind requests already waiting for room: they get freed blocks first
+        queued = pull_deadline is not None and bool(self.pulls.waiting)
+        blocks = None if queued else self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
         if blocks is None:  # no room right now: pull once there is, or recompute
             if pull_deadline is not None and time.time() < pull_deadline - PULL_MARGIN_S:
                 self.pulls.waiting[request_id] = (req, pull_deadline)
@@ -448,9 +450,11 @@ class LLMEngine:
         free blocks go (before the next step's new requests take them): (request id, the
         blocks to pull into, then `finish_kv_pull`) each, or (request id, None) for one
         that will not pull: aborted meanwhile, or its pin about to lapse (then it is
-        queued for recompute here)."""
+        queued for recompute here). None while a preempted request waits to come back:
+        it has computed more than a prompt, and blocks it needs go to it first."""
         now = time.time() if now is None else now
         decided: list[tuple[str, list[int] | None]] = []
+        granting = not any(r.num_preemptions for r in self.scheduler.waiting)
         for rid, (req, deadline) in list(self.pulls.waiting.items()):
             if req.finished:  # aborted while it waited
                 del self.pulls.waiting[rid]
@@ -462,9 +466,10 @@ class LLMEngine:
                 self.scheduler.add_request(req)
                 decided.append((rid, None))
                 continue
-            blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
+            blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False) if granting else None
             if blocks is None:
-                break  # the first in line waits on; those behind it too
+                granting = False  # the first in line waits on, those behind it too (but
+                continue  # an aborted or lapsing one behind it still leaves)
             del self.pulls.waiting[rid]
             self.pulls.begin(req)
             decided.append((rid, blocks))

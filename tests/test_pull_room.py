@@ -36,9 +36,11 @@ def test_waits_for_blocks_then_pulls_without_recomputing():
     _fill(engine)
     # 60 tokens need 4 blocks; 3 are free
     assert engine.add_prefilled_request("late", list(range(101, 161)), PARAMS, 7, pull_deadline=LATER) is None
-    assert engine.waits_for_room("late") and engine.has_unfinished_requests()
+    assert engine.waits_for_room("late")
     assert engine.grant_pull_room() == []  # still no room: it waits on
-    while "big" in engine.outputs.tracked:
+    granted = []
+    while not granted:
+        assert "big" in engine.outputs.tracked  # blocks come only as "big" finishes
         engine.step()
         granted = engine.grant_pull_room()
     ((rid, blocks),) = granted
@@ -78,3 +80,42 @@ def test_aborted_while_waiting_takes_no_blocks():
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_cache_stats().used_blocks == 0 and engine.num_kv_recomputes == 0
+
+
+def test_first_come_first_served_and_an_abort_behind_the_first_leaves_at_once():
+    engine = _engine()
+    _fill(engine)
+    prompt = list(range(101, 161))
+    assert engine.add_prefilled_request("first", prompt, PARAMS, 7, pull_deadline=LATER) is None
+    # 20 tokens fit in the 3 free blocks, but "first" waits ahead of it: it queues
+    assert engine.add_prefilled_request("second", list(range(1, 21)), PARAMS, 7, pull_deadline=LATER) is None
+    assert engine.add_prefilled_request("third", list(range(1, 21)), PARAMS, 7, pull_deadline=LATER) is None
+    assert engine.kv.pool.num_available == 3
+    engine.abort_request(["third"])
+    assert engine.grant_pull_room() == [("third", None)]  # gone while "first" still waits
+    assert engine.stats().num_waiting == 2 and engine.stats().num_pulling == 2
+    granted = []
+    while not granted:
+        engine.step()
+        granted = engine.grant_pull_room()
+    assert [(rid, len(blocks)) for rid, blocks in granted] == [("first", 4), ("second", 2)]
+    engine.finish_kv_pull("first", ok=True)
+    engine.finish_kv_pull("second", ok=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache_stats().used_blocks == 0 and engine.num_kv_recomputes == 0
+
+
+def test_a_pin_too_near_to_lapse_means_recompute_even_once_there_is_room():
+    engine = _engine()
+    assert len(engine.add_prefilled_request("big", list(range(1, 121)), PARAMS, 7, pull_deadline=LATER)) == 8
+    soon = time.time() + PULL_MARGIN_S + 60
+    assert engine.add_prefilled_request("late", list(range(1, 61)), PARAMS, 7, pull_deadline=soon) is None
+    assert engine.stats().num_running == 0 and engine.stats().num_pulling == 2
+    engine.finish_kv_pull("big", ok=False)  # its pull failed: recomputed, as before; its blocks free
+    assert engine.kv.pool.num_available == 10
+    assert engine.grant_pull_room(now=soon) == [("late", None)]
+    assert engine.num_kv_recomputes == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache_stats().used_blocks == 0
