@@ -17,6 +17,10 @@ from kvray.engine.kv_cache_manager import KVCacheManager
 from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
 from kvray.engine.request import Request, RequestStatus
 
+# a pull begun later than this before its prefill's pin lapses may find the blocks gone: a
+# request waiting for room recomputes its prompt instead
+PULL_MARGIN_S = 1.0
+
 
 class KVConnectorScheduler(Protocol):
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
@@ -88,22 +92,68 @@ class PrefillHandoff:
 
 class DecodeHandoff:
     """Requests prefilled elsewhere whose prompt KV is being written into blocks reserved
-    here, and those waiting for blocks to pull into (in arrival order, each until its
-    prefill's pin would lapse). They are outside the scheduler until the pull reports back."""
+    here, and those waiting for blocks to pull into: first come first served, each while
+    its prefill's pin lasts (vLLM's decode side waits so too). They are outside the
+    scheduler until the pull reports back; one that will not pull (no pin, its pin about to
+    lapse, a failed pull) is the caller's to queue for recompute."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
         self.pulls: dict[str, Request] = {}
-        self.waiting: dict[str, tuple[Request, float]] = {}  # request id -> (it, pin deadline)
-        self.num_recomputes = 0  # prompts recomputed here: a pin lapsed waiting, or a pull failed
+        self.waiting: dict[str, tuple[Request, float]] = {}  # request id -> (it, pin's end)
+        self.num_recomputes = 0  # prompts recomputed here: no pin left to wait on, or a pull failed
 
-    def begin(self, request: Request) -> None:
-        self.pulls[request.request_id] = request
+    def reserve(self, request: Request, pin_end: float | None) -> list[int] | None:
+        """Blocks for `request`'s prompt (its first token appended; not indexed in the
+        prefix cache until the data has arrived); it is then pulling. None: it waits for
+        room (behind any already waiting) while its pin (`pin_end`, wall-clock) lasts, or,
+        with none or one about to lapse, is to be recomputed (counted here)."""
+        if pin_end is None or not self.waiting:
+            blocks = self.kv.allocate_slots(request, request.num_prompt_tokens, cache=False)
+            if blocks is not None:
+                self.pulls[request.request_id] = request
+                return blocks
+        if pin_end is not None and time.time() < pin_end - PULL_MARGIN_S:
+            self.waiting[request.request_id] = (request, pin_end)
+        else:
+            self.num_recomputes += 1
+        return None
+
+    def grant(
+        self, now: float, may_allocate: bool
+    ) -> tuple[list[tuple[str, list[int] | None]], list[Request]]:
+        """The waiting requests' turn, in order: (request id, blocks to pull into) for each
+        that now fits while `may_allocate`, (request id, None) for each that leaves without
+        a pull: aborted meanwhile, or its pin about to lapse (these also come back, as the
+        requests to recompute). The first that does not fit stops the allocating (those
+        behind it wait on), not the leaving."""
+        decided: list[tuple[str, list[int] | None]] = []
+        lapsed: list[Request] = []
+        for rid, (req, pin_end) in list(self.waiting.items()):
+            if req.finished or now >= pin_end - PULL_MARGIN_S:
+                if not req.finished:
+                    self.num_recomputes += 1
+                    lapsed.append(req)
+                blocks = None
+            else:
+                blocks = (
+                    self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False) if may_allocate else None
+                )
+                if blocks is None:
+                    may_allocate = False
+                    continue
+                self.pulls[rid] = req
+            del self.waiting[rid]
+            decided.append((rid, blocks))
+        return decided, lapsed
 
     def finish(self, request_id: str) -> Request | None:
         return self.pulls.pop(request_id, None)
 
     def get(self, request_id: str) -> Request | None:
-        return self.pulls.get(request_id)
+        """A request pulling or waiting to."""
+        waiting = self.waiting.get(request_id)
+        return self.pulls.get(request_id) or (waiting[0] if waiting else None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.pulls or request_id in self.waiting

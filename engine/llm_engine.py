@@ -34,9 +34,6 @@ from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 from kvray.models.parallel import ShardContext
 
 logger = logging.getLogger(__name__)
-# a pull begun later than this before its prefill's pin lapses may find the blocks gone:
-# a prefilled request waiting for room recomputes its prompt instead
-PULL_MARGIN_S = 1.0
 
 PromptInput = str | dict | list  # text, {"prompt_token_ids": [...]}, or token ids
 
@@ -116,7 +113,7 @@ class LLMEngine:
         # the two halves of a KV hand-off: prompts held for a decode worker's pull (the
         # scheduler asks it at each finish), and pulls arriving into blocks reserved here
         self.handoff = PrefillHandoff(self.kv, config.block_size)
-        self.pulls = DecodeHandoff()
+        self.pulls = DecodeHandoff(self.kv)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -272,7 +269,7 @@ class LLMEngine:
             samples = self.outputs.samples_of(rid)
             if not samples:
                 continue
-            pulling = self.pulls.get(rid) or self.pulls.waiting.get(rid, (None,))[0]
+            pulling = self.pulls.get(rid)
             if pulling is not None:
                 # A transfer may still be writing into its blocks: they are freed when the
                 # pull reports back (finish_kv_pull), never before. (One waiting for blocks
@@ -427,18 +424,9 @@ class LLMEngine:
             self.pending_outputs.append(first)
         if reason is not None:
             return None
-        # not indexed in the prefix cache until the data has arrived (finish_kv_pull)
-        # behind requests already waiting for room: they get freed blocks first
-        queued = pull_deadline is not None and bool(self.pulls.waiting)
-        blocks = None if queued else self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False)
-        if blocks is None:  # no room right now: pull once there is, or recompute
-            if pull_deadline is not None and time.time() < pull_deadline - PULL_MARGIN_S:
-                self.pulls.waiting[request_id] = (req, pull_deadline)
-            else:
-                self.pulls.num_recomputes += 1
-                self.scheduler.add_request(req)
-            return None
-        self.pulls.begin(req)
+        blocks = self.pulls.reserve(req, pull_deadline)
+        if blocks is None and not self.waits_for_room(request_id):
+            self.scheduler.add_request(req)  # recomputed here
         return blocks
 
     def waits_for_room(self, request_id: str) -> bool:
@@ -446,33 +434,15 @@ class LLMEngine:
         return request_id in self.pulls.waiting
 
     def grant_pull_room(self, now: float | None = None) -> list[tuple[str, list[int] | None]]:
-        """Blocks for the requests waiting to pull, first come first served, as far as the
-        free blocks go (before the next step's new requests take them): (request id, the
-        blocks to pull into, then `finish_kv_pull`) each, or (request id, None) for one
-        that will not pull: aborted meanwhile, or its pin about to lapse (then it is
-        queued for recompute here). None while a preempted request waits to come back:
-        it has computed more than a prompt, and blocks it needs go to it first."""
-        now = time.time() if now is None else now
-        decided: list[tuple[str, list[int] | None]] = []
-        granting = not any(r.num_preemptions for r in self.scheduler.waiting)
-        for rid, (req, deadline) in list(self.pulls.waiting.items()):
-            if req.finished:  # aborted while it waited
-                del self.pulls.waiting[rid]
-                decided.append((rid, None))
-                continue
-            if now >= deadline - PULL_MARGIN_S:
-                del self.pulls.waiting[rid]
-                self.pulls.num_recomputes += 1
-                self.scheduler.add_request(req)
-                decided.append((rid, None))
-                continue
-            blocks = self.kv.allocate_slots(req, req.num_prompt_tokens, cache=False) if granting else None
-            if blocks is None:
-                granting = False  # the first in line waits on, those behind it too (but
-                continue  # an aborted or lapsing one behind it still leaves)
-            del self.pulls.waiting[rid]
-            self.pulls.begin(req)
-            decided.append((rid, blocks))
+        """Freed blocks for the requests waiting to pull, before the next step's new
+        requests (DecodeHandoff.grant): (request id, blocks to pull into, then
+        `finish_kv_pull`), or (request id, None) for one that will not pull (aborted, or
+        queued here for recompute as its pin is about to lapse). None go out while a
+        preempted request waits to come back: it has computed more than a prompt."""
+        may_allocate = not any(r.num_preemptions for r in self.scheduler.waiting)
+        decided, lapsed = self.pulls.grant(time.time() if now is None else now, may_allocate)
+        for req in lapsed:
+            self.scheduler.add_request(req)
         return decided
 
     def finish_kv_pull(self, request_id: str, ok: bool) -> None:

@@ -67,7 +67,7 @@ class SimWorker:
             policy=engine.policy,
             connector=self.handoff,
         )
-        self.pulls = DecodeHandoff()
+        self.pulls = DecodeHandoff(self.kv)
         self.step: SchedulerOutput | None = None  # the step in flight
         self.busy_s = 0.0  # seconds spent stepping (utilisation)
         self.num_steps = 0
@@ -96,11 +96,9 @@ class SimWorker:
         """Blocks for a prefilled request's prompt KV (its first token already appended):
         True when reserved (call `land_pull` when the bytes arrive); False when there is no
         room, and the prompt is queued for recompute here instead."""
-        if self.kv.allocate_slots(request, request.num_prompt_tokens, cache=False) is None:
-            self.pulls.num_recomputes += 1
+        if self.pulls.reserve(request, pin_end=None) is None:  # (the engine waits for room)
             self.scheduler.add_request(request)
             return False
-        self.pulls.begin(request)
         return True
 
     def land_pull(self, request_id: str) -> None:

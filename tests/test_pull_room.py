@@ -9,7 +9,8 @@ from test_known_defects import _tiny_config
 
 from kvray.engine import SamplingParams
 from kvray.engine.config import EngineConfig
-from kvray.engine.llm_engine import PULL_MARGIN_S, LLMEngine
+from kvray.engine.kv_connector import PULL_MARGIN_S
+from kvray.engine.llm_engine import LLMEngine
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # layers x (K, V) x block_size x KV heads x head_dim x fp32
 
