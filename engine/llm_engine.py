@@ -23,19 +23,17 @@ from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, kv_layout_of
 from kvray.engine.model_runner import build_runner, resolve_max_model_len
 from kvray.engine.output_processor import OutputProcessor
 from kvray.engine.outputs import RequestOutput
-from kvray.engine.request import Request, RequestStatus, SampleGroup
+from kvray.engine.request import Request, RequestStatus
+from kvray.engine.request_intake import PromptInput, RequestIntake
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Scheduler
 from kvray.engine.spec_decode import SpecDecodeStats
 from kvray.engine.speculator import Speculator
-from kvray.engine.structured_outputs import GrammarCompiler
 from kvray.errors import InvalidArgumentError
 from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 from kvray.models.parallel import ShardContext
 
 logger = logging.getLogger(__name__)
-
-PromptInput = str | dict | list  # text, {"prompt_token_ids": [...]}, or token ids
 
 
 @dataclass
@@ -123,8 +121,8 @@ class LLMEngine:
             connector=self.handoff,
         )
         self.outputs = OutputProcessor(tokenizer)
-        self.eos_token_ids = self._eos_ids(hf_config, model_path, tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, hf_config.vocab_size, self.eos_token_ids)
+        self.intake = RequestIntake(tokenizer, hf_config, model_path, self.max_model_len, config.block_size)
+        self.grammars = self.intake.grammars
         self.speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         self.spec_stats = self.speculator.stats if self.speculator is not None else SpecDecodeStats()
         self.last_step: StepStats | None = None
@@ -135,49 +133,13 @@ class LLMEngine:
         """Release the group's other shards (their serve loops return)."""
         self.runner.stop_shards()
 
-    @staticmethod
-    def _eos_ids(hf_config, model_path, tokenizer) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (hf_config, tokenizer):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if model_path is not None:
-            from transformers import GenerationConfig
-
-            try:
-                eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-            except OSError:
-                pass
-        return frozenset(ids)
-
     # ---- requests -------------------------------------------------------------------
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgumentError("prompt", prompt, "token ids (this engine has no tokenizer)")
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidArgumentError("prompt", prompt, "a string, token ids, or {'prompt_token_ids': [...]}")
+        return self.intake.tokenize(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidArgumentError("prompt", prompt_ids, "at least 1 token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidArgumentError(
-                "prompt",
-                f"<{len(prompt_ids)} tokens>",
-                f"at most {self.max_model_len - 1} tokens (max_model_len={self.max_model_len})",
-            )
-        vocab = self.hf_config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidArgumentError("prompt_token_ids", "out of range", f"ids in [0, {vocab - 1}]")
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # a bad grammar fails here (cached)
+        self.intake.validate(prompt_ids, params)
 
     def add_request(
         self,
@@ -219,46 +181,16 @@ class LLMEngine:
     ) -> list[Request]:
         """The request's n samples, tracked for output. `made_elsewhere`: tokens it already
         has (default `generated`), which its grammar replays."""
-        text, ids = self.tokenize(prompt)
-        self.validate(ids + list(generated), params)
+        text, ids = self.intake.tokenize(prompt)
+        self.intake.validate(ids + list(generated), params)
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys() | self.pins.pins.keys()
         if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls:
             raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
-        group = SampleGroup(params.n) if params.n > 1 else None
-        so = params.structured_outputs
-        now = time.monotonic()
-        samples = [
-            Request(
-                request_id=sample_ids[i],
-                prompt_token_ids=ids,
-                sampling_params=params,
-                eos_token_ids=self.eos_token_ids,
-                block_size=self.config.block_size,
-                prompt=text,
-                arrival_time=now,
-                priority=priority,
-                deadline=deadline,
-                sample_index=i,
-                group=group,
-                grammar=self.grammars.matcher(so) if so is not None else None,
-            )
-            for i in range(params.n)
-        ]
-        for s in samples:
-            self._replay_grammar(s, generated if made_elsewhere is None else made_elsewhere)
+        replayed = list(generated if made_elsewhere is None else made_elsewhere)
+        samples = self.intake.samples(sample_ids, text, ids, params, priority, deadline, replayed)
         self.outputs.add(request_id, samples)
         return samples
-
-    def _replay_grammar(self, req: Request, token_ids: list[int]) -> None:
-        """Bring a constrained request's grammar to the tokens it made elsewhere."""
-        if req.grammar is None:
-            return
-        for token in token_ids:
-            if not req.grammar.accept(token):
-                raise InvalidArgumentError(
-                    "generated_token_ids", token, "tokens its structured_outputs grammar allows"
-                )
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Finish the requests as `abort` and free their blocks now; returns their final
