@@ -7,7 +7,9 @@ concurrent clients. Offline: `LLM.generate` on the same prompts with 2 torch thr
 Useful tok/s = the output tokens the requests asked for / wall time. Every engine first
 runs `--max-concurrency` other prompts of the mix (seed + 1) at that concurrency, so no
 measured prompt finds its prefix cached and every slot of a server has run once
-(llama.cpp's server runs a slot's first request at about half speed). For a kvray server it
+(llama.cpp's server runs a slot's first request at about half speed). Round n draws its
+prompts with seed + 2n and its warm-up with seed + 2n + 1: a server that outlives the
+rounds (llama.cpp, vLLM: both cache prompts) must not find the last round's prompts. For a kvray server it
 also prints how many measured prompts were prefilled on a decode worker
 (`kvray:local_prefills_total`, `router.max_local_prefill_length`), recomputed there
 instead of pulled (`kvray:kv_recompute_total`: a decode worker whose KV cache had no room)
@@ -62,9 +64,10 @@ def offline(requests, warm_up, threads: int, max_num_seqs: int | None = None) ->
     return sum(r.expected_output_len for r in requests) / (time.perf_counter() - start)
 
 
-def bench_args(args) -> list[str]:
+def bench_args(args, seed: int | None = None) -> list[str]:
+    seed = args.seed if seed is None else seed
     return [
-        "--dataset-name", "mix", "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+        "--dataset-name", "mix", "--num-prompts", str(args.num_prompts), "--seed", str(seed),
         "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
     ]  # fmt: skip
@@ -93,14 +96,14 @@ def counters(url: str) -> dict[str, float] | None:
     return found or None
 
 
-def served(url: str, model: str, args) -> dict:
+def served(url: str, model: str, args, seed: int) -> dict:
     warm = [
-        "--dataset-name", "mix", "--num-prompts", str(args.max_concurrency), "--seed", str(args.seed + 1),
+        "--dataset-name", "mix", "--num-prompts", str(args.max_concurrency), "--seed", str(seed + 1),
         "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--disable-tqdm",
     ]  # fmt: skip
     run_load(url, model, warm)  # the offline run's warm-up prompts
     before = counters(url)
-    result = run_load(url, model, bench_args(args))
+    result = run_load(url, model, bench_args(args, seed))
     after = counters(url)
     if before is not None and after is not None:
         result.update({k: int(after[k] - before.get(k, 0)) for k in after})
@@ -149,8 +152,6 @@ def main() -> None:
     from kvray.models.loader import load_tokenizer, resolve_model_path
 
     vocab = WordVocab(load_tokenizer(resolve_model_path(MODEL)))
-    requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=args.seed), vocab)
-    warm_up = sample_requests("mix", DatasetArgs(num_prompts=args.max_concurrency, seed=args.seed + 1), vocab)
     bases: list[float] = []
     capped: list[float] = []
     results: dict[str, list[dict]] = {}
@@ -162,6 +163,9 @@ def main() -> None:
     ]
     for n in range(args.rounds):
         print(f"round {n + 1} of {args.rounds}", flush=True)
+        seed = args.seed + 2 * n  # this round's prompts (seed + 1: its warm-up's)
+        requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=seed), vocab)
+        warm_up = sample_requests("mix", DatasetArgs(num_prompts=args.max_concurrency, seed=seed + 1), vocab)
         bases.append(args.offline_tok_s or offline(requests, warm_up, args.threads))
         print(f"offline ({args.threads} threads): {bases[-1]:.1f} useful tok/s", flush=True)
         # the same engine held to the clients' concurrency: how much of the gap that alone is
@@ -170,12 +174,12 @@ def main() -> None:
         for name, preset, src in servers:
             label = name.split()[0]
             with Server(preset, src, log=f"/tmp/kvray-bench-{label}-{Path(preset).stem}.log") as server:
-                results.setdefault(name, []).append(served(server.url, MODEL, args))
+                results.setdefault(name, []).append(served(server.url, MODEL, args, seed))
             print(row(name, results[name][-1], bases[-1]), flush=True)
         for spec in args.external:
             name, _, rest = spec.partition("=")
             url, _, model = rest.partition("@")
-            results.setdefault(name, []).append(served(url, model or MODEL, args))
+            results.setdefault(name, []).append(served(url, model or MODEL, args, seed))
             print(row(name, results[name][-1], bases[-1]), flush=True)
 
     from kvray.engine.dtype import resolve_dtype
@@ -183,7 +187,8 @@ def main() -> None:
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     print(f"\n{cpu_banner()}; torch {torch.__version__}; dtype auto -> {dtype}")
     print(f"load: {args.num_prompts} requests, mix (prompts 32-384, outputs 16-160), ignore_eos, greedy, "
-          f"streamed, {args.max_concurrency} concurrent clients; {args.rounds} round(s), medians"
+          f"streamed, {args.max_concurrency} concurrent clients, seed {args.seed} + 2 x round; "
+          f"{args.rounds} round(s), medians"
           f"{' (each round in brackets)' if args.rounds > 1 else ''}\n")  # fmt: skip
     print("| what | useful tok/s | vs offline | TTFT p50 | ITL p50 | ITL p99 | completed |")
     print("|---|---|---|---|---|---|---|")
