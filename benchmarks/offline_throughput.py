@@ -8,7 +8,8 @@ the requests asked for / wall time.
 The roofline is measured in the same run: the workload's model matmul FLOPs (weights for
 every prompt and output token, the LM head where a token is sampled, attention over each
 token's context; from the HF config and the token counts) divided by the best rate of
-`F.linear` in the chosen dtype at the model's own shapes, i.e. the time the workload takes
+linear in the chosen dtype at the model's own shapes (`F.linear`, a oneDNN-packed weight,
+kvray's native panels), i.e. the time the workload takes
 if every matmul ran at this machine's best rate and nothing else cost anything.
 
 Baselines: transformers' `generate` in static batches of 16 (left padded, each batch run
@@ -75,24 +76,33 @@ def workload_flops(cfg, reqs) -> float:
 def best_matmul_rate(
     cfg, dtype: torch.dtype, rows=(16, 32, 64, 128, 256, 512), reps: int = 5
 ) -> tuple[float, str]:
-    """FLOP/s of the fastest linear at the model's shapes in `dtype` (torch's `F.linear`
-    and, where oneDNN takes the dtype, a oneDNN-packed weight as kvray runs it), and where."""
+    """FLOP/s of the fastest linear at the model's shapes in `dtype` (torch's `F.linear`,
+    a oneDNN-packed weight where oneDNN takes the dtype, and kvray's native panels where
+    they are built, at any row count), and where."""
+    from kvray.kernels import cpu_native
     from kvray.models.cpu_linear import can_pack, linear, pack_weight
 
-    packs = can_pack(dtype, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    packs, native = can_pack(dtype, cpu), cpu_native.takes(dtype, cpu)
     best, where = 0.0, ""
     for i, o in model_shapes(cfg):
         w = torch.randn(o, i, dtype=dtype)
-        ways = {"F.linear": (w, None)} | ({"oneDNN packed": (None, pack_weight(w))} if packs else {})
+        ways = {"F.linear": lambda x, w=w: linear(x, w, None, None)}
+        if packs:
+            packed = pack_weight(w)
+            ways["oneDNN packed"] = lambda x, p=packed: linear(x, None, None, p)
+        if native:
+            panels = cpu_native.to_panels(w)
+            ways["native panels"] = lambda x, p=panels: cpu_native.linear(x, p, None)
         for t in rows:
             x = torch.randn(t, i, dtype=dtype)
-            for way, (dense, packed) in ways.items():
-                linear(x, dense, None, packed)
+            for way, run in ways.items():
+                run(x)
                 seconds = float("inf")
                 for _ in range(3):
                     start = time.perf_counter()
                     for _ in range(reps):
-                        linear(x, dense, None, packed)
+                        run(x)
                     seconds = min(seconds, (time.perf_counter() - start) / reps)
                 rate = 2 * t * i * o / seconds
                 if rate > best:

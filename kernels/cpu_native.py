@@ -27,16 +27,20 @@ PANEL = {torch.float32: 16, torch.bfloat16: 32}  # output columns of a panel (ke
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
-def _linear_rows() -> dict[torch.dtype, int]:
-    """Up to how many rows `linear` beats oneDNN's packed weights (BENCHMARKS.md, single
-    stream): the fp32 panels are AVX2-shaped (8-float vectors), so where oneDNN has
-    AVX-512 it wins from 4 rows on (Zen 5: 1-2 rows 9.6-11.0 ms against 11.7, 4 rows 11.4
-    against 11.0, for a step's 30 layers); the bf16 panels beat it at 1-128 rows."""
-    fp32_rows = 2 if "avx512f" in cpu_flags() else 64
+def _panel_rows() -> dict[torch.dtype, int]:
+    """Up to how many rows `linear` beats oneDNN's packed weights. The fp32 panels are
+    AVX2-shaped (8-float vectors): where oneDNN has AVX-512 it wins from 4 rows on (Zen 5:
+    1-2 rows 9.6-11.0 ms against 11.7, 4 rows 11.4 against 11.0, for a step's 30 layers);
+    where it has not, the panels win at every row count measured, prompt chunks included
+    (Zen 2, the model's four shapes, 64-512 rows: 178-198 GFLOP/s against oneDNN's
+    108-154; BENCHMARKS.md, offline). The bf16 panels beat it at 1-128 rows."""
+    fp32_rows = 2 if "avx512f" in cpu_flags() else 1 << 62
     return {torch.float32: fp32_rows, torch.bfloat16: 64}
 
 
-LINEAR_ROWS = _linear_rows()
+PANEL_ROWS = _panel_rows()  # where `takes_linear` sends rows to the panels
+FUSED_ROWS = 64  # the most rows of a decode step run as one native call (models/native_decode.py)
+LINEAR_ROWS = {dtype: min(rows, FUSED_ROWS) for dtype, rows in PANEL_ROWS.items()}  # ... of each dtype
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
@@ -266,20 +270,21 @@ def to_panels(weight: torch.Tensor) -> Panels | None:
 
 
 def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:
-    """Whether `linear` takes x [rows, k]: at most LINEAR_ROWS CPU rows of the panels'
+    """Whether `linear` takes x [rows, k]: at most PANEL_ROWS CPU rows of the panels'
     dtype and width."""
     return (
         panels is not None
         and x.dim() == 2
         and x.dtype == panels.data.dtype
-        and x.shape[0] <= LINEAR_ROWS[x.dtype]
+        and x.shape[0] <= PANEL_ROWS[x.dtype]
         and x.shape[1] == panels.k
         and usable(x)
     )
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b) for the rows of a decode step; see `takes_linear`."""
+    """x W^T (+ b) for a step's rows (a decode step's, or a prompt chunk's where the panels
+    win there too); see `takes_linear`."""
     rows, k = x.shape
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == panels.n)
     out = torch.empty(rows, panels.n, dtype=x.dtype)

@@ -79,21 +79,28 @@ def test_layers_give_what_their_torch_path_gives(monkeypatch):
 def test_linear_against_float64(rows, n, k):
     """Every tile height (1-6 rows of x, several groups), a last panel of 1-16 columns, a
     bias, and rows of x that lie apart (a slice of wider rows). (The kernel takes any row
-    count; `LINEAR_ROWS` only says up to where the layers send rows to it.)"""
+    count; `PANEL_ROWS` only says up to where the layers send rows to it.)"""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     wide = torch.randn(rows, k + 48, generator=gen)
     x = wide[:, 16 : 16 + k]
     weight, bias = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
     panels = cpu_native.to_panels(weight)
-    assert cpu_native.takes_linear(x, panels) == (rows <= cpu_native.LINEAR_ROWS[torch.float32])
+    assert cpu_native.takes_linear(x, panels) == (rows <= cpu_native.PANEL_ROWS[torch.float32])
     want = x.double() @ weight.double().T
     assert _rel(cpu_native.linear(x, panels, None), want) < 1e-5
     assert _rel(cpu_native.linear(x, panels, bias), want + bias.double()) < 1e-5
 
 
-def test_packed_layer_uses_the_native_kernel_for_decode_rows_only(monkeypatch):
+@pytest.mark.parametrize("most", [64, None])
+def test_packed_layer_sends_rows_to_the_native_kernel_up_to_panel_rows(monkeypatch, most):
+    """Up to PANEL_ROWS rows through the panels, wider steps through oneDNN; both give the
+    product. `most`: a limit set here (the rule), or this CPU's own (None: no limit on
+    an AVX2 CPU, where the panels beat oneDNN at prompt chunks' row counts too)."""
     if not cpu_linear.can_pack(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN cannot pack here")
+    if most is not None:
+        monkeypatch.setitem(cpu_native.PANEL_ROWS, torch.float32, most)
+    most = cpu_native.PANEL_ROWS[torch.float32]
     gen = torch.Generator().manual_seed(2)
     layer = PackedLinear(576, {"a": range(100), "b": range(60)})
     weight = layer.weight.data = torch.randn(160, 576, generator=gen)
@@ -102,11 +109,10 @@ def test_packed_layer_uses_the_native_kernel_for_decode_rows_only(monkeypatch):
     calls = []
     real = cpu_native.linear
     monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    most = cpu_native.LINEAR_ROWS[torch.float32]
-    for rows in (1, most, most + 1, 200):
+    for rows in (1, 64, 65, 200):
         x = torch.randn(rows, 576, generator=gen)
         assert _rel(layer(x), x.double() @ weight.double().T) < 1e-5
-    assert calls == [1, most]  # wider steps go through oneDNN
+    assert calls == [r for r in (1, 64, 65, 200) if r <= most]  # wider steps go through oneDNN
 
 
 # bf16: inputs are bf16 values, references float64 of them; the kernels compute in fp32

@@ -69,6 +69,14 @@ def _model(path, dtype):
     return model
 
 
+def fuse_fp32_steps(monkeypatch) -> None:
+    """fp32 decode steps of up to 64 rows fuse, and the modules' own linears take the
+    panels at those rows, on any CPU (on an AVX-512 one, fp32 otherwise goes to oneDNN
+    from 3 rows on)."""
+    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)
+    monkeypatch.setitem(cpu_native.PANEL_ROWS, torch.float32, max(64, cpu_native.PANEL_ROWS[torch.float32]))
+
+
 def _count_fused(monkeypatch):
     """The rows of each step the fused layers ran (0: a step they declined), from the
     modules' hidden states (`run`) or from the step's tokens (`step`, the runner's path)."""
@@ -124,7 +132,7 @@ def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(saved_model, mon
     table declines it (None: the modules then raise or run it)."""
     if dtype == "bfloat16" and not cpu_has_native_bf16():
         pytest.skip("bf16 runs natively only where the CPU multiplies it")
-    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
+    fuse_fp32_steps(monkeypatch)  # fp32 batches fuse on any CPU
     name, path, _ = saved_model
     llm = LLM(model=str(path), dtype=dtype, max_model_len=256, enable_prefix_caching=False)
     runner = llm.engine.runner
@@ -223,7 +231,7 @@ def test_fused_steps_are_the_same_when_waiting_threads_redo_items(saved_model, m
     name, path, _ = saved_model
     ids = torch.randint(0, 256, (52,), generator=torch.Generator().manual_seed(4)).tolist()
     config, lib = load_config(path), cpu_native.library()
-    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 steps of several rows fuse too
+    fuse_fp32_steps(monkeypatch)  # fp32 steps of several rows fuse too
     ran = _count_fused(monkeypatch)
     chunks = [18, 18, 5, 9, 2]
 
@@ -258,7 +266,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_fusion(
     """SmolLM2, 5 prompts decoded together (batches of up to 5 decode rows, contexts past
     one attention span, so split spans are merged): the fused layers give the modules'
     greedy tokens, over a model-dtype cache and an int8 one."""
-    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
+    fuse_fp32_steps(monkeypatch)  # fp32 batches fuse on any CPU
     ran = _count_fused(monkeypatch)
     lengths = (3, 40, 130, 600, 9)
     prompts = [
@@ -289,7 +297,7 @@ def test_long_contexts_split_across_threads_redo_to_the_same_tokens(smollm2_path
     """Contexts past one attention span (their partial results merged) and 5 decode rows a
     step, with the straggler timeout at 0, so items, split spans' included, run twice at
     once: the same greedy tokens and logprobs as with the timeout as shipped."""
-    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)  # fp32 batches fuse on any CPU
+    fuse_fp32_steps(monkeypatch)  # fp32 batches fuse on any CPU
     lib = cpu_native.library()
     lengths = (3, 600, 130, 700, 9)
     prompts = [{"prompt_token_ids": [1 + i, *range(100 + i, 100 + i + n)]} for i, n in enumerate(lengths)]
@@ -330,7 +338,7 @@ def test_speculation_verified_by_the_fused_layers_gives_plain_decodings_tokens(
     the later steps are all decode steps in both runs."""
     from test_spec_engine import ARGS, NGRAM, PROMPTS
 
-    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)
+    fuse_fp32_steps(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=40)
     args = {**ARGS, "dtype": dtype, "max_num_batched_tokens": 512}
     plain = LLM(model=str(smollm2_path), **args)
