@@ -11,9 +11,9 @@ and multiplying with `_linear_pointwise` skips that copy: 1.5-2.5x faster at M =
 At the rows of a decode step (1-64) oneDNN's kernels are slow for these shapes: at one
 row they stream the weight at about half the machine's bandwidth. Where the native
 kernel is built (fp32 and bf16), each layer also keeps its weight in that kernel's panel layout
-(`cpu_native.to_panels`, kernels/cpu_linear.c) and steps of up to `LINEAR_ROWS` rows go
-through it, at the cost of a second copy of the weights. The dense weight is released
-after packing.
+(`cpu_native.to_panels`, kernels/cpu_linear.c) and steps of up to `PANEL_ROWS` rows go
+through it (fp32 on a CPU without AVX-512: every step, prompt chunks included), at the
+cost of a second copy of the weights. The dense weight is released after packing.
 
 Used where the engine runs on a CPU with oneDNN, for fp32 (and bf16 where oneDNN takes
 it: AVX512 or AVX-NE-CONVERT CPUs); anything else keeps `F.linear`.
@@ -43,8 +43,8 @@ def linear(
     packed: torch.Tensor | None,
     panels: cpu_native.Panels | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b): a decode step's rows through the native panels, else through the
-    packed weight when there is one."""
+    """x W^T (+ b): through the native panels where they take the rows (`PANEL_ROWS`),
+    else through the packed weight when there is one."""
     if cpu_native.takes_linear(x, panels):
         return cpu_native.linear(x, panels, bias)
     if packed is None:
@@ -104,8 +104,9 @@ def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> in
                 module.pack_for_cpu()
                 packed += 1
     native = gather_panels(model) > 0
-    rows = cpu_native.LINEAR_ROWS.get(dtype)
-    panels = f"; native panels for steps of up to {rows} rows" if native else ""
+    rows = cpu_native.PANEL_ROWS.get(dtype, 0)
+    reach = "of any size" if rows >= 1 << 32 else f"of up to {rows} rows"
+    panels = f"; native panels for steps {reach}" if native else ""
     name = str(dtype).removeprefix("torch.")
     onednn = "packed for oneDNN" if can_pack(dtype, device) else "kept dense (oneDNN does not take the dtype)"
     logger.info("kvray: %d linear layers %s (%s)%s", packed, onednn, name, panels)
