@@ -74,12 +74,13 @@ def test_layers_give_what_their_torch_path_gives(monkeypatch):
     assert torch.equal(native[1][1], torch_path[1][1])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 389])
 @pytest.mark.parametrize(("n", "k"), [(37, 576), (960, 576), (130, 1536), (6, 16), (17, 3)])
 def test_linear_against_float64(rows, n, k):
-    """Every tile height (1-6 rows of x, several groups), a last panel of 1-16 columns, a
-    bias, and rows of x that lie apart (a slice of wider rows). (The kernel takes any row
-    count; `PANEL_ROWS` only says up to where the layers send rows to it.)"""
+    """Every tile height (1-6 rows of x, several groups), a prompt chunk's rows, a last
+    panel of 1-16 columns, a bias, and rows of x that lie apart (a slice of wider rows).
+    (The kernel takes any row count; `PANEL_ROWS` only says up to where the layers send
+    rows to it.)"""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     wide = torch.randn(rows, k + 48, generator=gen)
     x = wide[:, 16 : 16 + k]
