@@ -27,6 +27,9 @@ PANEL = {torch.float32: 16, torch.bfloat16: 32}  # output columns of a panel (ke
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
+EVERY_STEP = 1 << 62  # a PANEL_ROWS that no step reaches
+
+
 def _panel_rows() -> dict[torch.dtype, int]:
     """Up to how many rows `linear` beats oneDNN's packed weights. The fp32 panels are
     AVX2-shaped (8-float vectors): where oneDNN has AVX-512 it wins from 4 rows on (Zen 5:
@@ -34,7 +37,7 @@ def _panel_rows() -> dict[torch.dtype, int]:
     where it has not, the panels win at every row count measured, prompt chunks included
     (Zen 2, the model's four shapes, 64-512 rows: 178-198 GFLOP/s against oneDNN's
     108-154; BENCHMARKS.md, offline). The bf16 panels beat it at 1-128 rows."""
-    fp32_rows = 2 if "avx512f" in cpu_flags() else 1 << 62
+    fp32_rows = 2 if "avx512f" in cpu_flags() else EVERY_STEP
     return {torch.float32: fp32_rows, torch.bfloat16: 64}
 
 
@@ -267,6 +270,12 @@ def to_panels(weight: torch.Tensor) -> Panels | None:
     if dtype == torch.float32:
         return Panels(padded.view(-1, width, k).transpose(1, 2).contiguous(), n, k)
     return Panels(padded.view(-1, width, k // 2, 2).transpose(1, 2).contiguous(), n, k)
+
+
+def takes_every_step(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the panels take every step's rows of this dtype here: then a layer needs no
+    other copy of its weight (models/cpu_linear.py)."""
+    return takes(dtype, device) and PANEL_ROWS.get(dtype, 0) >= EVERY_STEP
 
 
 def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:

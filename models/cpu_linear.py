@@ -47,9 +47,14 @@ def linear(
     else through the packed weight when there is one."""
     if cpu_native.takes_linear(x, panels):
         return cpu_native.linear(x, panels, bias)
-    if packed is None:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if weight is not None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # the panels are the weight's only copy (they take every step here): x of another
+    # shape or layout goes through them as rows
+    rows = x.reshape(-1, x.shape[-1]).to(panels.data.dtype).contiguous()
+    return cpu_native.linear(rows, panels, bias).to(x.dtype).view(*x.shape[:-1], panels.n)
 
 
 @functools.cache
@@ -84,11 +89,26 @@ def panels_for(weight: torch.Tensor) -> cpu_native.Panels | None:
 
 
 def pack_layer(layer: nn.Module) -> None:
-    """layer.packed = its weight in oneDNN's layout, layer.panels = in the native kernel's
-    (either may be None); the dense `layer.weight` goes once oneDNN holds a copy."""
-    layer.packed, layer.panels = pack_weight(layer.weight), panels_for(layer.weight)
-    if layer.packed is not None:
+    """layer.panels = its weight in the native kernel's layout, layer.packed = in oneDNN's
+    (either may be None); the dense `layer.weight` goes once another copy serves every
+    step: oneDNN's, or the panels alone where they take every step (fp32 on an AVX2 CPU:
+    there oneDNN's copy would never be read, and the weights are held once, not twice)."""
+    layer.panels = panels_for(layer.weight)
+    only_panels = _panels_suffice(layer.panels, layer.weight)
+    layer.packed = None if only_panels else pack_weight(layer.weight)
+    if only_panels or layer.packed is not None:
         layer.weight = None
+
+
+def _panels_suffice(panels: cpu_native.Panels | None, weight: torch.Tensor) -> bool:
+    return panels is not None and cpu_native.takes_every_step(weight.dtype, weight.device)
+
+
+def pack_head(weight: torch.Tensor) -> tuple[torch.Tensor | None, cpu_native.Panels | None]:
+    """An LM head's (oneDNN-packed, panels) copies of `weight` (which stays: a tied head is
+    the embedding's table); no oneDNN copy where the panels suffice."""
+    panels = panels_for(weight)
+    return (None if _panels_suffice(panels, weight) else pack_weight(weight)), panels
 
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
@@ -104,12 +124,14 @@ def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> in
                 module.pack_for_cpu()
                 packed += 1
     native = gather_panels(model) > 0
-    rows = cpu_native.PANEL_ROWS.get(dtype, 0)
-    reach = "of any size" if rows >= 1 << 32 else f"of up to {rows} rows"
-    panels = f"; native panels for steps {reach}" if native else ""
     name = str(dtype).removeprefix("torch.")
-    onednn = "packed for oneDNN" if can_pack(dtype, device) else "kept dense (oneDNN does not take the dtype)"
-    logger.info("kvray: %d linear layers %s (%s)%s", packed, onednn, name, panels)
+    if native and cpu_native.takes_every_step(dtype, device):
+        how = "held once, in the native panels (they take every step)"
+    else:
+        rows = cpu_native.PANEL_ROWS.get(dtype, 0)
+        how = "packed for oneDNN" if can_pack(dtype, device) else "kept dense (oneDNN does not take it)"
+        how += f"; native panels for steps of up to {rows} rows" if native else ""
+    logger.info("kvray: %d linear layers (%s) %s", packed, name, how)
     return packed
 
 
