@@ -12,8 +12,9 @@ At the rows of a decode step (1-64) oneDNN's kernels are slow for these shapes: 
 row they stream the weight at about half the machine's bandwidth. Where the native
 kernel is built (fp32 and bf16), each layer also keeps its weight in that kernel's panel layout
 (`cpu_native.to_panels`, kernels/cpu_linear.c) and steps of up to `PANEL_ROWS` rows go
-through it (fp32 on a CPU without AVX-512: every step, prompt chunks included), at the
-cost of a second copy of the weights. The dense weight is released after packing.
+through it, at the cost of a second copy of the weights; fp32 on a CPU without AVX-512
+takes it at every step, prompt chunks included, so there the panels are the only copy.
+The dense weight is released after packing.
 
 Used where the engine runs on a CPU with oneDNN, for fp32 (and bf16 where oneDNN takes
 it: AVX512 or AVX-NE-CONVERT CPUs); anything else keeps `F.linear`.
@@ -88,27 +89,27 @@ def panels_for(weight: torch.Tensor) -> cpu_native.Panels | None:
     return cpu_native.to_panels(weight)
 
 
-def pack_layer(layer: nn.Module) -> None:
-    """layer.panels = its weight in the native kernel's layout, layer.packed = in oneDNN's
-    (either may be None); the dense `layer.weight` goes once another copy serves every
-    step: oneDNN's, or the panels alone where they take every step (fp32 on an AVX2 CPU:
-    there oneDNN's copy would never be read, and the weights are held once, not twice)."""
-    layer.panels = panels_for(layer.weight)
-    only_panels = _panels_suffice(layer.panels, layer.weight)
-    layer.packed = None if only_panels else pack_weight(layer.weight)
-    if only_panels or layer.packed is not None:
-        layer.weight = None
-
-
-def _panels_suffice(panels: cpu_native.Panels | None, weight: torch.Tensor) -> bool:
-    return panels is not None and cpu_native.takes_every_step(weight.dtype, weight.device)
-
-
-def pack_head(weight: torch.Tensor) -> tuple[torch.Tensor | None, cpu_native.Panels | None]:
-    """An LM head's (oneDNN-packed, panels) copies of `weight` (which stays: a tied head is
-    the embedding's table); no oneDNN copy where the panels suffice."""
+def weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, cpu_native.Panels | None]:
+    """`weight`'s copies for `linear`: (oneDNN-packed, native panels), each None where that
+    way does not run here; no oneDNN copy where the panels take every step (fp32 on an
+    AVX2 CPU: it would never be read)."""
     panels = panels_for(weight)
-    return (None if _panels_suffice(panels, weight) else pack_weight(weight)), panels
+    if panels is not None and cpu_native.takes_every_step(weight.dtype, weight.device):
+        return None, panels
+    return pack_weight(weight), panels
+
+
+def pack_layer(layer: nn.Module) -> None:
+    """layer.packed, layer.panels = its weight's copies (`weight_copies`); the dense
+    `layer.weight` goes once they serve every step (oneDNN's copy, or the panels alone)."""
+    weight = layer.weight
+    layer.packed, layer.panels = weight_copies(weight)
+    if (
+        layer.packed is not None
+        or layer.panels is not None
+        and cpu_native.takes_every_step(weight.dtype, weight.device)
+    ):
+        layer.weight = None
 
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:

@@ -19,7 +19,7 @@ from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata, LayerKV
 from kvray.kernels.cpu_fused import StepLogits
 from kvray.models import native_decode
-from kvray.models.cpu_linear import linear, pack_head
+from kvray.models.cpu_linear import linear, weight_copies
 from kvray.models.layers import (
     PackedLinear,
     RMSNorm,
@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's packed copy (the embedding keeps its rows: a tied head shares them)."""
         if self.shard.spec.is_last_stage:
             head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-            self.packed_head, self.panels_head = pack_head(head.weight)
+            self.packed_head, self.panels_head = weight_copies(head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (full, unsharded) into our parameters, each parameter
