@@ -31,13 +31,19 @@ from kvray.router.streams import merge
 
 # Ray's periodic work on an idle local cluster (Serve's controller loop every 0.1 s, each
 # replica exporting its metrics every 0.1 s, every worker reporting task events to the GCS
-# every second) took 0.17 of a core on a 2-core machine, 8 % of it; with these, 0.09
-# (BENCHMARKS.md, served against offline). Set where the environment does not say
-# otherwise; the raylet and every worker inherit them.
+# every second) took 0.17 of a core on a 2-core machine, 8 % of it; with the first three,
+# 0.07; with all, 0.057 (BENCHMARKS.md, served against offline). On 2 cores the served
+# engine's threads pay for it twice over: a thread taken off its core stalls its partner.
+# Set where the environment does not say otherwise; the raylet and every worker inherit them.
 QUIET_LOCAL_RAY = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # autoscaling and health react within 0.5 s
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",  # Serve's own ray_serve_* metrics
     "RAY_task_events_report_interval_ms": "0",  # no task events: the dashboard's task table
+    # the log monitor looks for new log files every 2 s instead of every 0.1 s (a glob of the
+    # session's log folder each time); lines of files it knows still go out within 0.1 s
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "2",
+    "REPORTER_UPDATE_INTERVAL_MS": "15000",  # the agent's node stats (ray_node_*): every 15 s, not 5
 }
 
 
