@@ -17,6 +17,7 @@
  * Layouts (elements): x rows of k floats, x_stride apart; out rows of n floats,
  * out_stride apart; bias [n] or NULL. Built with the other kernels by cpu_native.py.
  */
+#include <omp.h>
 #include <stdint.h>
 
 #include "cpu_decode.h"
@@ -381,13 +382,40 @@ int64_t kvray_linear_num_panels(int64_t n, int bf16_io) {
 /* the output columns of a panel (the last one's may lie past n) */
 int64_t kvray_linear_panel_cols(int bf16_io) { return bf16_io ? PANEL_BF16 : PANEL; }
 
-/* out = x W^T (+ b), the panels shared out among the threads */
+/* A thread's share of a linear's items: [next, end), claimed one at a time by it and, once
+ * they have run out of their own, by the other threads (a cache line each) */
+typedef struct {
+    int64_t next, end;
+    char pad[48];
+} Claims;
+
+/* out = x W^T (+ b), the panels shared out among the threads. Each thread takes its own
+ * share's items in order (a panel prefetches the next, kernels' order as with a static
+ * schedule), then helps itself to what the others have not claimed yet: where another
+ * process takes a thread off its core (a served worker beside the ingress and the load
+ * generator), its partner takes over the rest of its share instead of waiting for it at
+ * the region's end. Each item is computed once, by whoever claims it, with the same
+ * arithmetic: the result does not depend on who did what. */
 static void linear(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
                    int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
     const int64_t items = kvray_linear_items(n, m, bf16_io, num_threads);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t i = 0; i < items; i++)
-        kvray_linear_item(bf16_io, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
+    const int32_t teams = num_threads > 0 ? num_threads : 1;
+    Claims claims[teams];
+    for (int32_t t = 0; t < teams; t++) {
+        claims[t].next = t * items / teams;
+        claims[t].end = (t + 1) * items / teams;
+    }
+#pragma omp parallel num_threads(teams)
+    {
+        /* its own share first, then the others' (all of them: a team smaller than asked,
+         * nested or under OMP_THREAD_LIMIT, still does every share) */
+        const int32_t self = omp_get_thread_num();
+        for (int32_t v = 0; v < teams; v++) {
+            Claims *c = &claims[(self + v) % teams];
+            for (int64_t i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->end;)
+                kvray_linear_item(bf16_io, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
+        }
+    }
 }
 
 void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,

@@ -92,6 +92,27 @@ def test_linear_against_float64(rows, n, k):
     assert _rel(cpu_native.linear(x, panels, bias), want + bias.double()) < 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_linear_shares_take_every_panel_once_at_any_thread_count(threads):
+    """Each thread takes its own share of the panels, then what the others have left:
+    with more threads than panels, or shares that do not divide them, every panel is
+    computed once and the product is bitwise what one thread makes."""
+    gen = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    for rows, n, k in ((7, 37, 576), (389, 130, 64), (1, 960, 576), (40, 16, 32)):
+        x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
+        panels = cpu_native.to_panels(weight)
+        try:
+            torch.set_num_threads(1)
+            alone = cpu_native.linear(x, panels, None)
+            torch.set_num_threads(threads)
+            shared = cpu_native.linear(x, panels, None)
+        finally:
+            torch.set_num_threads(before)
+        assert _rel(alone, x.double() @ weight.double().T) < 1e-5
+        assert torch.equal(shared, alone), (threads, rows, n, k)
+
+
 @pytest.mark.parametrize("most", [64, None])
 def test_packed_layer_sends_rows_to_the_native_kernel_up_to_panel_rows(monkeypatch, most):
     """Up to PANEL_ROWS rows through the panels, wider steps through oneDNN; both give the
