@@ -386,8 +386,7 @@ int64_t kvray_linear_panel_cols(int bf16_io) { return bf16_io ? PANEL_BF16 : PAN
  * they have run out of their own, by the other threads (a cache line each) */
 typedef struct {
     int64_t next, end;
-    char pad[48];
-} Claims;
+} __attribute__((aligned(64))) Claims;
 
 /* out = x W^T (+ b), the panels shared out among the threads. Each thread takes its own
  * share's items in order (a panel prefetches the next, kernels' order as with a static
