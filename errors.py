@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class KvrayError(Exception):
     """Base class of every error kvray raises on purpose."""
@@ -32,9 +34,11 @@ class UnsupportedArchitectureError(InvalidArgumentError):
     """The model's Hugging Face architecture has no kvray implementation."""
 
 
-def check_range(field: str, value, *, low=None, high=None, low_open=False, high_open=False):
-    """Raise InvalidArgumentError unless low <= value <= high (with open ends where asked)."""
-    bad = False
+def check_range(field: str, value, *, low=None, high=None, low_open=False, high_open=False, allow_inf=False):
+    """Raise InvalidArgumentError unless low <= value <= high (with open ends where asked).
+    NaN is never in range, nor are infinities unless `allow_inf` (JSON bodies may carry
+    them: `json.loads` takes `NaN` and `Infinity`, and NaN compares false with every bound)."""
+    bad = isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not allow_inf))
     if low is not None:
         bad |= value <= low if low_open else value < low
     if high is not None:
@@ -44,4 +48,15 @@ def check_range(field: str, value, *, low=None, high=None, low_open=False, high_
         hi = "inf" if high is None else str(high)
         lb = "(" if low_open or low is None else "["
         hb = ")" if high_open or high is None else "]"
-        raise InvalidArgumentError(field, value, f"{lb}{lo}, {hi}{hb}")
+        finite = (
+            "a finite number in "
+            if isinstance(value, float) and not math.isfinite(value) and not allow_inf
+            else ""
+        )
+        raise InvalidArgumentError(field, value, f"{finite}{lb}{lo}, {hi}{hb}")
+
+
+class EngineDeadError(KvrayError):
+    """The engine can no longer serve: a step failed (the forward pass), its loop stopped
+    on an error, or a step ran past `step_timeout_s`. Its requests are failed over (their
+    fronts move them to other workers) and its worker fails its health check."""

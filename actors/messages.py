@@ -17,6 +17,10 @@ from kvray.engine.kv_transfer import KVTicket
 from kvray.engine.outputs import Logprob
 from kvray.engine.spec_decode import SpecDecodeStats
 
+# a Delta's info key: the worker's engine can no longer serve (its value: why); the front
+# moves the request to another worker, as when a worker dies
+WORKER_FAILED = "worker_failed"
+
 # seconds; the buckets of the per-pull `kvray:kv_transfer_seconds` histogram (+Inf beyond)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -52,9 +56,11 @@ class Delta(NamedTuple):
     token_ids: list[int]  # new tokens
     text: str  # new visible text (held back while it could still start a stop string)
     logprobs: list[dict[int, Logprob]] | None  # one entry per new token, when asked
-    finish_reason: str | None  # "stop" | "length" | "abort" on the request's last delta
+    # "stop" | "length" | "abort" | "error" (it alone failed, logged there) on its last delta
+    finish_reason: str | None
     stop_reason: int | str | None
-    # first delta: {"queue_seconds", "num_cached_tokens"}; last: {"cost_usd"}; else None
+    # first delta: {"queue_seconds", "num_cached_tokens"}; last: {"cost_usd"}; one carrying
+    # WORKER_FAILED ends the request here (it moves on); else None
     info: dict | None = None
 
 

@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from kvray.actors.messages import Delta
+from kvray.actors.messages import WORKER_FAILED, Delta
 from kvray.actors.signals import RecentMean
 from kvray.engine import RequestOutput
 
@@ -53,8 +53,10 @@ class Outbox:
         if delta.finish_reason is not None:
             del self.destination[delta.request_id]
             del self.last_token[delta.request_id]
-        self.pending[destination].append(delta)
-        self.wakeup[destination].set()
+        pending = self.pending.get(destination)
+        if pending is not None:  # (None: its front is gone, its stream ending)
+            pending.append(delta)
+            self.wakeup[destination].set()
 
     def _time(self, delta: Delta) -> None:
         if not delta.token_ids:
@@ -74,8 +76,17 @@ class Outbox:
                 self.push(self._delta(out))
 
     def fail(self, request_ids: list[str], error: BaseException) -> None:
+        """The engine can no longer serve (EngineDeadError): each request's front gets a
+        last delta saying so and moves the request to another worker, as if this worker
+        had died. Nothing more goes out for them from here."""
         for rid in request_ids:
-            self.push(Delta(rid, [], "", None, "abort", None, {"error": f"{type(error).__name__}: {error}"}))
+            destination = self.destination.pop(rid, None)
+            self.last_token.pop(rid, None)
+            if destination is not None and destination in self.pending:
+                self.pending[destination].append(
+                    Delta(rid, [], "", None, None, None, {WORKER_FAILED: str(error)})
+                )
+                self.wakeup[destination].set()
 
     def _delta(self, out: RequestOutput) -> Delta:
         c = out.outputs[0]
@@ -104,6 +115,12 @@ class Outbox:
             if batch:
                 self.num_streamed += len(batch)
                 yield batch
+
+    def end(self, destination: str) -> None:
+        """End the front's stream (it is gone); `close` follows as the stream returns."""
+        if destination in self.wakeup:
+            self.pending.pop(destination, None)
+            self.wakeup[destination].set()
 
     def close(self, destination: str) -> list[str]:
         """The front's stream ended: forget it; returns its requests still in flight."""

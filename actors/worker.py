@@ -25,6 +25,7 @@ from typing import Literal
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from kvray.actors.messages import TRANSFER_BUCKETS, Delta, EngineRequest, WorkerStats
 from kvray.actors.outbox import Outbox
@@ -33,11 +34,14 @@ from kvray.actors.signals import engine_load
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
 from kvray.engine.llm_engine import EngineStats
-from kvray.errors import KvrayError
+from kvray.engine.request_limits import RequestLimits
+from kvray.errors import EngineDeadError, KvrayError
+from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 Role = Literal["prefill", "decode", "mixed"]
 ABORT_MEMORY_S = 300.0  # how long a worker refuses a request whose abort came first
+FRONT_CHECK_S = 2.0  # how often a worker asks whether a front it streams to still lives
 
 
 class RequestAbortedError(KvrayError):
@@ -81,16 +85,26 @@ class EngineWorker:
                 torch_threads,
                 self.host,
             )
-        # A shard group whose step failed has its collectives out of step: the worker
-        # exits, so the router, Serve and its shards all see it gone (crash-only).
-        self.llm = AsyncLLM(config, on_step_error=_exit_group if self.shards else None, shard=shard)
+        # An engine that can no longer serve (a failed step, a broken loop, a hung step)
+        # stops this worker taking requests; its requests are failed over (their fronts
+        # move them) and `ready` fails, so Serve replaces the worker. A shard group's
+        # collectives are then out of step: it exits instead (crash-only), and the router,
+        # Serve and its shards all see it gone.
+        self.llm = AsyncLLM(config, on_failure=self._engine_failed, shard=shard)
         self.price_per_hour = price_per_hour
         self.outbox: Outbox | None = None  # made on the actor's loop, at first use
         self.accepting = True
         self.aborted: dict[str, float] = {}  # request id -> when its abort came (oldest first)
 
+    def _engine_failed(self, error: BaseException) -> None:  # any thread
+        self.accepting = False
+        if self.shards:
+            _exit_group(error)
+
     async def ready(self) -> str:
-        """Health: this actor and every shard of its group are alive."""
+        """Health: this actor and every shard of its group are alive, and its engine can
+        serve (raises EngineDeadError when not: its loop died, or a step hangs)."""
+        self.llm.check_health()
         await asyncio.gather(*(shard.ready.remote() for shard in self.shards))
         return self.worker_id
 
@@ -100,22 +114,29 @@ class EngineWorker:
 
     def _check_accepting(self, request_id: str) -> None:
         if not self.accepting:
-            raise WorkerLeavingError(f"worker {self.worker_id} is draining")
+            why = "unhealthy" if self.llm.error is not None else "draining"
+            raise WorkerLeavingError(f"worker {self.worker_id} is {why}")
         if request_id in self.aborted:
             logger.warning("kvray worker %s: %s came after its abort; refused", self.worker_id, request_id)
             raise RequestAbortedError(f"request {request_id} was aborted before it reached {self.worker_id}")
 
     # ---- the token path -----------------------------------------------------------------
 
-    async def outputs(self, destination: str) -> AsyncIterator[list[Delta]]:
+    async def outputs(self, destination: str, front=None) -> AsyncIterator[list[Delta]]:
         """The stream of every delta for the front `destination`, one list per step.
         Call with `.options(num_returns="streaming")`; the front cancels it when it goes,
-        and the requests it still had here are aborted."""
+        and the requests it still had here are aborted. `front`: the front's actor handle:
+        a front that dies cancels nothing (Ray does not end a stream whose reader died), so
+        the worker asks it every FRONT_CHECK_S whether it lives, and ends the stream when
+        it does not."""
         outbox = self._outbox()
+        watch = asyncio.ensure_future(_until_dead(front, outbox, destination)) if front is not None else None
         try:
             async for batch in outbox.stream(destination):
                 yield batch
         finally:
+            if watch is not None:
+                watch.cancel()
             for rid in outbox.close(destination):
                 await self.abort(rid)
 
@@ -178,9 +199,9 @@ class EngineWorker:
     def _ttft_mean(self) -> float:
         return self._outbox().ttft.mean()
 
-    async def model_info(self) -> dict:
-        """What a front needs to validate prompts before sending them here."""
-        return self.llm.model_limits
+    async def model_info(self) -> RequestLimits:
+        """What a front checks requests against before sending them here."""
+        return self.llm.limits
 
     async def _transfer(self) -> tuple[int, float, list[int]]:
         """KV bytes moved, seconds pulling, pulls per duration bucket (roles that move KV)."""
@@ -188,7 +209,12 @@ class EngineWorker:
 
     async def stats(self) -> WorkerStats:
         moved, seconds, buckets = await self._transfer()
-        e: EngineStats = await self.llm.stats()
+        try:
+            e: EngineStats = await self.llm.stats()
+        except EngineDeadError:  # it holds nothing that counts: say it takes nothing
+            return WorkerStats(
+                self.worker_id, self.role, 0, 0, 0.0, 0, 0, moved, seconds, buckets, accepting=False
+            )
         return WorkerStats(
             worker_id=self.worker_id,
             role=self.role,
@@ -242,6 +268,21 @@ class MixedWorker(EngineWorker):
             return out
 
         return list(await asyncio.gather(*(final(s) for s in streams)))
+
+
+async def _until_dead(front, outbox: Outbox, destination: str) -> None:
+    """Return once the front's actor is dead, ending its stream (its requests are then
+    aborted); a front that is only slow to answer is asked again."""
+    while True:
+        await asyncio.sleep(FRONT_CHECK_S)
+        try:
+            await wait_for(front.__ray_ready__.remote(), FRONT_CHECK_S * 5)
+        except RayActorError:
+            logger.warning("kvray worker: front %s is gone; aborting its requests here", destination)
+            outbox.end(destination)
+            return
+        except Exception:  # noqa: BLE001 (slow, or restarting: ask again)
+            continue
 
 
 def _exit_group(error: BaseException) -> None:

@@ -231,7 +231,7 @@ def check_args(args: argparse.Namespace) -> None:
     for p in args.metric_percentiles:
         check_range("--metric-percentiles", p, low=0.0, high=100.0, low_open=True)
     for rate in args.request_rate if isinstance(args.request_rate, list) else [args.request_rate]:
-        check_range("--request-rate", rate, low=0.0, low_open=True)
+        check_range("--request-rate", rate, low=0.0, low_open=True, allow_inf=True)
     check_range("--burstiness", args.burstiness, low=0.0, low_open=True)
     if args.max_concurrency is not None:
         check_range("--max-concurrency", args.max_concurrency, low=1)

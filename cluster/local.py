@@ -24,6 +24,7 @@ import ray
 from kvray.actors.launch import start_pools, stop_pools
 from kvray.configs import DeploymentConfig
 from kvray.engine import CompletionOutput, RequestOutput, SamplingParams
+from kvray.engine.sampling_params import sample_seed
 from kvray.router import metrics
 from kvray.router.frontend import Frontend
 from kvray.router.router import Router
@@ -89,7 +90,8 @@ class FrontActorImpl:
         self.tokenizer = load_tokenizer(
             resolve_model_path(self.config.engine.get("model", "smollm2-135m-instruct"))
         )
-        self.frontend = Frontend(router, self.config, f"front-{uuid.uuid4().hex[:8]}")
+        me = ray.get_runtime_context().current_actor  # the workers watch it: its requests die with it
+        self.frontend = Frontend(router, self.config, f"front-{uuid.uuid4().hex[:8]}", handle=me)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator:
         """Stream cumulative RequestOutputs of one request (the last has finished=True).
@@ -103,8 +105,7 @@ class FrontActorImpl:
             text, ids = None, list(prompt)
         rid = request_id or f"req-{uuid.uuid4().hex}"
         samples = [
-            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            for i in range(params.n)
+            dataclasses.replace(params, n=1, seed=sample_seed(params.seed, i)) for i in range(params.n)
         ]
         if params.n == 1:
             gens = [self.frontend.generate(rid, ids, samples[0])]

@@ -112,6 +112,8 @@ class RouterConfig(_Strict):
     # a request still running this long after it arrived is aborted everywhere (its own
     # `request_timeout_s` may set another); it also bounds the wait for a worker to join
     request_timeout_s: float = Field(600.0, gt=0)
+    # the most a request's own `request_timeout_s` may ask for (more is a 400)
+    max_request_timeout_s: float = Field(3600.0, gt=0)
     health_check_seconds: float = Field(2.0, gt=0)  # also how soon a new worker is found
     num_replicas: int = Field(1, ge=1)  # Router replicas (Serve); they agree on every choice
     # disaggregated only: a prompt of at most this many tokens is prefilled on its decode
@@ -120,6 +122,15 @@ class RouterConfig(_Strict):
     # (The decode pool's autoscaling counts that prompt work in `queued_prompt_tokens`, as a
     # mixed pool's; the planner's sizing does not.)
     max_local_prefill_length: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> RouterConfig:
+        if self.max_request_timeout_s < self.request_timeout_s:
+            raise ValueError(
+                f"max_request_timeout_s={self.max_request_timeout_s} must be >= "
+                f"request_timeout_s={self.request_timeout_s}"
+            )
+        return self
 
 
 class DeploymentConfig(_Strict):

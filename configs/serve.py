@@ -16,6 +16,7 @@ class ServeConfig(DeploymentConfig):
     app_name: str = "kvray"  # the Serve application name (handles: serve.get_app_handle)
     model_name: str = "smollm2-135m-instruct"  # the `model` clients send; /v1/models lists it
     api_key: str | None = None  # None: no auth; else `Authorization: Bearer <api_key>`
+    metrics_need_api_key: bool = False  # True: GET /metrics takes the API key too
     max_body_bytes: int = Field(1 << 20, ge=1)  # larger request bodies get 413
     max_queued_requests: int = Field(64, ge=1)  # requests in flight per ingress replica; more get 503
     retry_after_seconds: int = Field(1, ge=0)  # the 503's Retry-After header

@@ -12,6 +12,7 @@ bad request raises in the caller and never disturbs the requests already running
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -27,8 +28,12 @@ from kvray.engine.config import EngineConfig
 from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
 from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
+from kvray.engine.request_limits import RequestLimits
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.step_trace import StepTrace
+from kvray.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
 
 
 class OutputSink(Protocol):
@@ -75,15 +80,22 @@ class OutputStream:
 class AsyncLLM:
     engine: LLMEngine  # built and stepped on the loop thread
 
-    def __init__(self, config: EngineConfig, on_step_error=None, **engine_kwargs):
-        """`on_step_error(e)`: called on the loop thread after a failed step has failed its
-        requests (a sharded worker uses it to stop: its shards are out of step)."""
-        self._on_step_error = on_step_error
+    def __init__(self, config: EngineConfig, on_failure=None, **engine_kwargs):
+        """`on_failure(error)`: called once when the engine can no longer serve (a step
+        failed, the loop stopped on an error, or a step ran past `config.step_timeout_s`),
+        before its requests are failed over; from the loop thread, or from the watchdog
+        thread for a step that hangs. A worker stops taking requests there (a sharded one
+        exits: its shards are out of step)."""
+        self._on_failure = on_failure
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, OutputSink] = {}  # request id -> where its outputs go
         self._rooms: dict[str, Future] = {}  # prefilled request waiting for blocks -> its future
         self._stopped = False
+        self.error: EngineDeadError | None = None  # set once the engine can no longer serve
+        self._dying = threading.Lock()
+        self._busy_since: float | None = None  # monotonic: when the loop last left its wait
+        self.step_timeout_s = config.step_timeout_s
         # The engine is built on the loop thread, so that one thread is OpenMP's master for
         # the life of the engine: a second master (the caller, loading the weights) keeps a
         # team of its own, and libgomp, seeing more threads than cores, then puts its
@@ -94,6 +106,8 @@ class AsyncLLM:
         )
         self._thread.start()
         built.result()  # re-raises what building the engine raised
+        self._watchdog = threading.Thread(target=self._watch, name="kvray-engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     @property
     def tokenizer(self):
@@ -116,8 +130,7 @@ class AsyncLLM:
         request's stream, or None when its outputs go to `sink`."""
         if self._stopped:
             raise RuntimeError("AsyncLLM is shut down")
-        if sampling_params.structured_outputs is not None:  # compile (or fail) off the step loop
-            await asyncio.to_thread(self.engine.grammars.compile, sampling_params.structured_outputs)
+        matchers = await self._matchers(sampling_params, sampling_params.n)
         stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
         add = (
@@ -129,6 +142,7 @@ class AsyncLLM:
             deadline,
             kv_lease,
             generated_token_ids,
+            matchers,
             accepted,
         )
         self._send(("add", *add))
@@ -168,13 +182,29 @@ class AsyncLLM:
         returns, once it is accepted, its stream (None with a `sink`) and a future of the
         blocks to pull the prompt's KV into (then `finish_kv_pull`), or of None for no
         pull: at once, or when blocks free up for a request that waits for room."""
+        matchers = await self._matchers(sampling_params, 1)
         stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
         room: Future = Future()
-        add = (request_id, stream or sink, prompt, sampling_params, first_token, first_logprobs)
+        add = (request_id, stream or sink, prompt, sampling_params, first_token, first_logprobs, matchers)
         self._send(("add_prefilled", *add, pull_deadline, accepted, room))
         await asyncio.wrap_future(accepted)
         return stream, asyncio.wrap_future(room)
+
+    async def _matchers(self, params: SamplingParams, count: int) -> list | None:
+        """A structured-output request's grammar matchers (one per sample), compiled and
+        built in a helper thread, so the step loop never waits on a grammar (a bad one
+        raises InvalidArgumentError here, in the caller)."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        engine = self.engine
+
+        def build() -> list:
+            engine.limits.check_params(params)  # its size and depth first: then compile
+            return [engine.grammars.matcher(so) for _ in range(count)]
+
+        return await asyncio.to_thread(build)
 
     async def call(self, fn, *args):
         """Run `fn(*args)` on the loop thread, between steps, and return its result."""
@@ -183,8 +213,10 @@ class AsyncLLM:
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
-        """Abort from any thread; the stream ends with a finished `abort` output."""
-        self._send(("abort", request_id))
+        """Abort from any thread; the stream ends with a finished `abort` output. (An
+        engine that can no longer serve runs nothing: there is nothing to stop.)"""
+        if self.error is None:
+            self._send(("abort", request_id))
 
     # ---- what a worker may see of the engine (nothing else reaches inside) ------------
 
@@ -207,8 +239,9 @@ class AsyncLLM:
         return self.engine.pins
 
     @property
-    def model_limits(self) -> dict[str, int]:
-        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.hf_config.vocab_size}
+    def limits(self) -> RequestLimits:
+        """What one request may ask of this engine (the ingress checks the same)."""
+        return self.engine.limits
 
     async def stats(self) -> EngineStats:
         return await self.call(self.engine.stats)
@@ -220,6 +253,7 @@ class AsyncLLM:
         """Raise the engine's error for the first bad (prompt, params); queue nothing."""
         for p in params:
             if p.structured_outputs is not None:
+                self.engine.limits.check_params(p)
                 await asyncio.to_thread(self.engine.grammars.compile, p.structured_outputs)
 
         def check() -> None:
@@ -232,14 +266,74 @@ class AsyncLLM:
         return await self.call(self.engine.kv_ticket, worker_id, request_id)
 
     async def release_kv(self, request_id: str) -> bool:
+        if self.error is not None:  # nothing runs there any more (its pins lapse)
+            return False
         return await self.call(self.engine.release_kv, request_id)
 
     async def finish_kv_pull(self, request_id: str, ok: bool) -> None:
-        await self.call(self.engine.finish_kv_pull, request_id, ok)
+        if self.error is None:  # (else its request has already moved on)
+            await self.call(self.engine.finish_kv_pull, request_id, ok)
 
     def _send(self, command: tuple) -> None:
+        if self.error is not None:
+            raise self.error
         self._commands.put(command)
         self._wake.set()
+
+    # ---- liveness -----------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when the engine can no longer serve: its loop stopped on
+        an error, its thread is gone, or a step has run past `step_timeout_s`."""
+        if self.error is not None:
+            raise self.error
+        if not self._thread.is_alive() and not self._stopped:
+            raise EngineDeadError("the engine thread has stopped")
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > self.step_timeout_s:
+            raise EngineDeadError(f"a step has run past step_timeout_s={self.step_timeout_s:g} s")
+
+    def _watch(self) -> None:
+        """The watchdog: a step that runs past `step_timeout_s` (the loop thread stuck in
+        it) fails the engine from here, as if the step had raised."""
+        period = min(1.0, self.step_timeout_s / 4)
+        while not self._stopped and self.error is None:
+            time.sleep(period)
+            busy = self._busy_since
+            if busy is not None and time.monotonic() - busy > self.step_timeout_s:
+                self._die(EngineDeadError(f"a step has run past step_timeout_s={self.step_timeout_s:g} s"))
+
+    def _die(self, cause: BaseException) -> None:
+        """The engine can no longer serve (from any thread; once): log the cause, tell the
+        owner, then fail every request and waiting caller with EngineDeadError, so that
+        fronts move the requests to other workers."""
+        with self._dying:
+            if self.error is not None:
+                return
+            error = (
+                cause
+                if isinstance(cause, EngineDeadError)
+                else EngineDeadError(f"the engine failed: {cause!r}")
+            )
+            self.error = error
+        logger.error("kvray engine: can no longer serve (%s)", error, exc_info=cause)
+        if self._on_failure is not None:
+            self._on_failure(error)
+        failed: dict[int, tuple[OutputSink, list[str]]] = {}
+        for rid, sink in list(self._streams.items()):
+            failed.setdefault(id(sink), (sink, []))[1].append(rid)
+        for sink, rids in failed.values():
+            sink.loop.call_soon_threadsafe(sink.fail, rids, error)
+        for rid in list(self._rooms):  # no blocks will come (the pins lapse)
+            _settle(self._rooms.pop(rid, Future()), None)
+        while True:  # commands that will never run: their callers get the error
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            for item in command:
+                if isinstance(item, Future):
+                    _settle(item, error=error)
 
     def _run(self, config: EngineConfig, engine_kwargs: dict, built: Future) -> None:
         try:
@@ -251,37 +345,43 @@ class AsyncLLM:
         self._loop(self.engine)
 
     def _loop(self, engine: LLMEngine) -> None:
+        """Commands, then a step, until shut down. Anything that raises here ends the
+        engine (`_die`): a failed forward pass or a broken loop leaves state nobody can
+        vouch for, so its requests move to other workers instead (what one request's own
+        rows get wrong is contained inside the step: LLMEngine.step)."""
         trace = StepTrace(engine.config.step_trace_dir) if engine.config.step_trace_dir else None
-        while not self._stopped:
-            start = time.perf_counter()
-            start_cpu = time.thread_time() if trace is not None else 0.0
-            self._drain_commands()
-            engine.expire_kv_leases()
-            self._grant_rooms()
-            self._publish(engine.take_pending_outputs())
-            if not engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
+        try:
+            while not self._stopped and self.error is None:
+                self._busy_since = start = time.monotonic()
+                start_cpu = time.thread_time() if trace is not None else 0.0
+                self._drain_commands()
+                engine.expire_kv_leases()
+                self._grant_rooms()
+                self._publish(engine.take_pending_outputs())
+                if not engine.has_unfinished_requests():
+                    self._idle(0.5)
+                    continue
                 outputs = engine.step()
-            except Exception as e:  # a failed step fails the requests in it, not the loop
-                if self._on_step_error is not None:
-                    self._on_step_error(e)  # before the streams see it: a hook that stops
-                self._fail_all(e)  # the worker makes every caller see a dead worker
-                continue
-            self._publish(outputs)
-            if trace is not None and engine.last_shape:
-                trace.write(engine.last_shape, time.perf_counter() - start, time.thread_time() - start_cpu)
-            if engine.last_step is None or engine.last_step.num_batched_tokens == 0:
-                # nothing could run (e.g. only KV pulls in flight): wait for a command
-                self._wake.wait(timeout=0.005)
-                self._wake.clear()
-        for rid in list(self._rooms):  # stopped: no blocks will come (the pins lapse)
-            _settle(self._rooms.pop(rid), None)
-        if trace is not None:
-            trace.close()
-        engine.shutdown()  # from this thread: never between a step's messages to the shards
+                self._publish(outputs)
+                if trace is not None and engine.last_shape:
+                    trace.write(engine.last_shape, time.monotonic() - start, time.thread_time() - start_cpu)
+                if engine.last_step is None or engine.last_step.num_batched_tokens == 0:
+                    self._idle(0.005)  # nothing could run (e.g. only KV pulls in flight): wait for a command
+        except BaseException as e:  # noqa: BLE001 (everything: the watchdog and health see it)
+            self._die(e)
+        finally:
+            self._busy_since = None
+            for rid in list(self._rooms):  # stopped: no blocks will come (the pins lapse)
+                _settle(self._rooms.pop(rid), None)
+            if trace is not None:
+                trace.close()
+            if self.error is None:
+                engine.shutdown()  # from this thread: never between a step's messages to the shards
+
+    def _idle(self, timeout: float) -> None:
+        self._busy_since = None
+        self._wake.wait(timeout=timeout)
+        self._wake.clear()
 
     def _drain_commands(self) -> None:
         while True:
@@ -300,7 +400,9 @@ class AsyncLLM:
             elif command[0] == "add_prefilled":
                 self._add_prefilled(*command[1:])
             elif command[0] == "add":
-                _, rid, sink, prompt, params, priority, deadline, kv_lease, generated, accepted = command
+                _, rid, sink, prompt, params, priority, deadline, kv_lease, generated, matchers, accepted = (
+                    command
+                )
                 try:
                     self.engine.add_request(
                         rid,
@@ -310,6 +412,7 @@ class AsyncLLM:
                         deadline=deadline,
                         kv_lease=kv_lease,
                         generated_token_ids=generated,
+                        matchers=matchers,
                     )
                 except Exception as e:
                     _settle(accepted, error=e)
@@ -321,12 +424,18 @@ class AsyncLLM:
                 self._publish(self.engine.abort_request([command[1]]))
 
     def _add_prefilled(
-        self, rid, sink, prompt, params, first_token, first_logprobs, pull_deadline, accepted, room
+        self, rid, sink, prompt, params, first_token, first_logprobs, matchers, pull_deadline, accepted, room
     ) -> None:
         engine = self.engine
         try:
             blocks = engine.add_prefilled_request(
-                rid, prompt, params, first_token, first_logprobs, pull_deadline=pull_deadline
+                rid,
+                prompt,
+                params,
+                first_token,
+                first_logprobs,
+                pull_deadline=pull_deadline,
+                matchers=matchers,
             )
         except Exception as e:
             _settle(accepted, error=e)
@@ -364,17 +473,6 @@ class AsyncLLM:
                 del self._streams[out.request_id]
         for sink, batch in batches.values():
             sink.loop.call_soon_threadsafe(sink.put_many, batch)
-
-    def _fail_all(self, error: Exception) -> None:
-        self.engine.abort_request(list(self.engine.outputs.tracked))
-        # the failed step may have indexed blocks it never wrote: forget cached contents
-        self.engine.kv.pool.reset_prefix_cache()
-        failed: dict[int, tuple[OutputSink, list[str]]] = {}
-        for rid, sink in self._streams.items():
-            failed.setdefault(id(sink), (sink, []))[1].append(rid)
-        for sink, rids in failed.values():
-            sink.loop.call_soon_threadsafe(sink.fail, rids, error)
-        self._streams.clear()
 
     def shutdown(self) -> None:
         self._stopped = True

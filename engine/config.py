@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvray.engine import request_limits as limits
 from kvray.engine.spec_decode import SpeculativeConfig
 from kvray.errors import InvalidArgumentError, check_range
 from kvray.kernels.kv_quant import KV_CACHE_DTYPES
@@ -41,6 +42,16 @@ class EngineConfig:
     # a folder: a served engine writes each step's batch and seconds there as JSON lines
     # (steps-<pid>.jsonl), what `kvray bench step-times --from-trace` fits kvray.sim to
     step_trace_dir: str | None = None
+    # what one request may ask (engine/request_limits.py; the ingress checks the same)
+    max_stop_strings: int = limits.MAX_STOP_STRINGS
+    max_stop_string_length: int = limits.MAX_STOP_STRING_LENGTH  # characters
+    max_grammar_bytes: int = limits.MAX_GRAMMAR_BYTES  # a structured output's schema/grammar
+    max_grammar_depth: int = limits.MAX_GRAMMAR_DEPTH  # a JSON schema's nesting
+    # a step (or anything else the engine loop does between waits) running longer than this
+    # marks the engine unhealthy: its worker fails its health check and is replaced, and its
+    # requests move to other workers. Generous: a long prompt chunk of a large model on a
+    # CPU, or a first step that compiles GPU kernels, takes tens of seconds.
+    step_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -61,3 +72,6 @@ class EngineConfig:
             raise InvalidArgumentError("scheduling_policy", self.scheduling_policy, f"one of {POLICIES}")
         check_range("tensor_parallel_size", self.tensor_parallel_size, low=1)
         check_range("pipeline_parallel_size", self.pipeline_parallel_size, low=1)
+        for name in limits.CONFIGURABLE:
+            check_range(name, getattr(self, name), low=1)
+        check_range("step_timeout_s", self.step_timeout_s, low=0.0, low_open=True)

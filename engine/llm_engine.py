@@ -25,6 +25,7 @@ from kvray.engine.output_processor import OutputProcessor
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.request import Request, RequestStatus
 from kvray.engine.request_intake import PromptInput, RequestIntake
+from kvray.engine.request_limits import RequestLimits
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Scheduler
 from kvray.engine.spec_decode import SpecDecodeStats
@@ -121,7 +122,8 @@ class LLMEngine:
             connector=self.handoff,
         )
         self.outputs = OutputProcessor(tokenizer)
-        self.intake = RequestIntake(tokenizer, hf_config, model_path, self.max_model_len, config.block_size)
+        self.limits = RequestLimits.of(config, hf_config.vocab_size, self.max_model_len)
+        self.intake = RequestIntake(tokenizer, hf_config, model_path, self.limits, config.block_size)
         self.grammars = self.intake.grammars
         self.speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         self.spec_stats = self.speculator.stats if self.speculator is not None else SpecDecodeStats()
@@ -150,6 +152,7 @@ class LLMEngine:
         deadline: float | None = None,
         kv_lease: float | None = None,
         generated_token_ids: list[int] | None = None,
+        matchers: list | None = None,
     ) -> None:
         """Queue a request. With `kv_lease` (seconds) it is a prefill for a decode worker:
         when it finishes, its blocks stay pinned for that long (see `kv_ticket`).
@@ -158,11 +161,16 @@ class LLMEngine:
         (migration). They are recomputed here with the prompt (prefix cache where it has
         them), count towards `max_tokens`, `min_tokens` and the penalties, and a seeded
         request draws the numbers it would have drawn; its outputs go on from the next
-        token (a DELTA output never repeats them)."""
+        token (a DELTA output never repeats them).
+
+        `matchers`: the samples' grammar matchers, built by the caller (AsyncLLM builds them
+        off the step loop); None: built here where the request has a grammar."""
         generated = list(generated_token_ids or [])
         if generated and params.n != 1:
             raise InvalidArgumentError("n", params.n, "1 for a resumed request")
-        samples = self._make_samples(request_id, prompt, params, priority, deadline, generated)
+        samples = self._make_samples(
+            request_id, prompt, params, priority, deadline, generated, matchers=matchers
+        )
         if generated:
             (req,) = samples
             self.outputs.replay(req, generated)
@@ -177,7 +185,7 @@ class LLMEngine:
             self.scheduler.add_request(s)
 
     def _make_samples(
-        self, request_id, prompt, params, priority, deadline, generated=(), made_elsewhere=None
+        self, request_id, prompt, params, priority, deadline, generated=(), made_elsewhere=None, matchers=None
     ) -> list[Request]:
         """The request's n samples, tracked for output. `made_elsewhere`: tokens it already
         has (default `generated`), which its grammar replays."""
@@ -188,7 +196,7 @@ class LLMEngine:
         if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls:
             raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
         replayed = list(generated if made_elsewhere is None else made_elsewhere)
-        samples = self.intake.samples(sample_ids, text, ids, params, priority, deadline, replayed)
+        samples = self.intake.samples(sample_ids, text, ids, params, priority, deadline, replayed, matchers)
         self.outputs.add(request_id, samples)
         return samples
 
@@ -241,15 +249,27 @@ class LLMEngine:
         share = (time.perf_counter() - start) / len(sched.requests)
         for req in sched.requests:
             req.step_seconds += share
-        sampled = dict(zip(result.request_ids, result.token_ids))
+        failed = dict(result.errors)
+        sampled = {rid: t for rid, t in zip(result.request_ids, result.token_ids) if rid not in failed}
         logprobs = dict(zip(result.request_ids, result.logprobs))
 
         def on_token(req: Request, j: int) -> None:
-            """The engine's checks of a request's j-th new token of this step."""
-            if req.grammar is not None and not req.grammar.accept(req.output_token_ids[-1]):
-                logger.error("kvray engine: %s sampled a token its grammar refuses", req.request_id)
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            stop = self.outputs.on_token(req, logprobs[req.request_id][j])
+            """The engine's checks of a request's j-th new token of this step; a check
+            that fails ends this request alone."""
+            try:
+                if req.grammar is not None and not req.grammar.accept(req.output_token_ids[-1]):
+                    logger.error("kvray engine: %s sampled a token its grammar refuses", req.request_id)
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                stop = self.outputs.on_token(req, logprobs[req.request_id][j])
+            except Exception as e:
+                failed[req.request_id] = f"{type(e).__name__}: {e}"
+                logger.error(
+                    "kvray engine: request %s failed after sampling: %s",
+                    req.request_id,
+                    failed[req.request_id],
+                )
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                return
             if stop is not None and not req.finished:
                 req.stop_reason = stop
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -262,6 +282,12 @@ class LLMEngine:
             if req.finished:
                 self._forget(req.request_id)
             touched[self.outputs.parent_of(req.request_id)] = None
+        for req in sched.requests:  # rows that failed in the runner: those requests end here
+            if req.request_id in failed and not req.finished:
+                logger.error("kvray engine: request %s failed: %s", req.request_id, failed[req.request_id])
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                self._forget(req.request_id)
+                touched[self.outputs.parent_of(req.request_id)] = None
         outputs = (self.outputs.output(rid) for rid in touched)  # None: FINAL_ONLY, running
         return pending + [o for o in outputs if o is not None]
 
@@ -329,6 +355,7 @@ class LLMEngine:
         first_logprobs=None,
         priority: int = 0,
         pull_deadline: float | None = None,
+        matchers: list | None = None,
     ) -> list[int] | None:
         """Continue a request whose prompt was prefilled elsewhere and whose first token
         was sampled there. Returns the blocks to pull the prompt's KV into, then call
@@ -344,7 +371,9 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidArgumentError("n", params.n, "1 for a disaggregated request")
         # the prefill sampled the first token under the same grammar: replay it
-        (req,) = self._make_samples(request_id, prompt, params, priority, None, made_elsewhere=[first_token])
+        (req,) = self._make_samples(
+            request_id, prompt, params, priority, None, made_elsewhere=[first_token], matchers=matchers
+        )
         req.append_token(first_token)
         stop = self.outputs.on_token(req, first_logprobs)
         reason = RequestStatus.FINISHED_STOPPED if stop is not None else self.scheduler.stop_reason(req)

@@ -13,7 +13,7 @@ token this step (a prompt chunk that is not the prompt's end samples nothing).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from kvray.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from kvray.engine.cpu_allocator import keep_freed_memory_in_heap
 from kvray.engine.dtype import resolve_dtype
-from kvray.engine.rejection_sampler import verify
-from kvray.engine.sampler import Sampler, SamplerOutput, SampleRow, sample_rows
+from kvray.engine.sampler import Sampler, SampleRow, sample_rows
 from kvray.engine.scheduler import SchedulerOutput
+from kvray.engine.step_sampling import StepResult, cause, sample_step
 from kvray.errors import InvalidArgumentError
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
 from kvray.kernels.cpu_fused import StepLogits
@@ -80,17 +80,6 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
 
 
 @dataclass
-class StepResult:
-    request_ids: list[str]  # requests that sampled, in batch order
-    token_ids: list[list[int]]  # per request: kept drafts, then one sampled token
-    logprobs: list[list]  # per token, as SamplerOutput.logprobs
-
-    @classmethod
-    def plain(cls, request_ids: list[str], out: SamplerOutput) -> StepResult:
-        return cls(request_ids, [[t] for t in out.token_ids], [[lp] for lp in out.logprobs])
-
-
-@dataclass
 class StepPlan:
     """One step's batch, built by the driver shard and run by every shard of the group."""
 
@@ -104,6 +93,7 @@ class StepPlan:
     samples: list[SampleRow]  # one per logit row: a request with k drafts has k + 1
     forget: list[str]  # requests whose sampler state can go
     drafts: list[list[int]] | None = None  # per sampling request, when any has drafts
+    failed: dict[str, str] = field(default_factory=dict)  # rows that could not be made: id -> cause
 
     @property
     def request_ids(self) -> list[str]:
@@ -225,6 +215,7 @@ class ModelRunner:
     def plan(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepPlan:
         input_ids, positions, slots = [], [], []
         query_lens, seq_lens, logit_rows, samples, drafts = [], [], [], [], []
+        failed: dict[str, str] = {}
         bs = self.block_size
         row = 0
         for i, req in enumerate(out.requests):
@@ -242,7 +233,14 @@ class ModelRunner:
             row += n
             if out.samples(i):
                 logit_rows.extend(range(row - 1 - len(d), row))
-                samples.extend(sample_rows(req, d))
+                try:
+                    samples.extend(sample_rows(req, d))
+                except Exception as e:  # its grammar failed: it alone ends (the engine sees `failed`)
+                    failed[req.request_id] = cause(e)
+                    samples.extend(
+                        SampleRow(req.request_id, req.sampling_params, req.sample_index, 0, [], [])
+                        for _ in range(len(d) + 1)
+                    )
                 drafts.append(d)
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
@@ -258,19 +256,21 @@ class ModelRunner:
             samples,
             forget,
             drafts if any(drafts) else None,
+            failed,
         )
 
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
         plan = self.plan(out, block_tables)
-        if self.spec.world_size == 1:
-            return self.run(plan)
-        dist.broadcast_object_list([plan], src=0, group=self.shard.cpu_group)
+        if self.spec.world_size > 1:
+            dist.broadcast_object_list([plan], src=0, group=self.shard.cpu_group)
         result = self.run(plan)
-        if self.spec.sampler_rank != 0 and plan.samples:
+        if self.spec.world_size > 1 and self.spec.sampler_rank != 0 and plan.samples:
             box = [None]
             dist.recv_object_list(box, src=self.spec.sampler_rank, group=self.shard.cpu_group)
             result = box[0]
-        return result or StepResult([], [], [])
+        result = result or StepResult([], [], [])
+        result.errors.update(plan.failed)
+        return result
 
     def stop_shards(self) -> None:
         """Driver: let every other shard's `serve` loop return."""
@@ -312,10 +312,7 @@ class ModelRunner:
             logits = self.model.compute_logits(picked)
         if spec.rank != spec.sampler_rank:
             return None
-        if plan.drafts is None:
-            return StepResult.plain(plan.request_ids, self.sampler(logits, plan.samples, greedy))
-        verified = verify(self.sampler, logits, plan.samples, plan.drafts)
-        return StepResult(plan.request_ids, verified.token_ids, verified.logprobs)
+        return sample_step(self.sampler, logits, plan.samples, plan.request_ids, plan.drafts, greedy)
 
     def _native_decode_step(self, plan: StepPlan) -> StepLogits | None:
         """A CPU step of one token a sequence, no drafts, one shard, the torch attention

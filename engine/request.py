@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # something of its own failed in a step (logged); the batch went on
 
     @property
     def finished(self) -> bool:
@@ -56,7 +57,7 @@ class Request:
     deadline: float | None = None  # monotonic seconds; earliest first under `deadline`
     sample_index: int = 0  # which of the group's n samples
     group: SampleGroup | None = None
-    extra_keys: tuple = ()  # salts the block hashes (e.g. adapter or cache salt)
+    extra_keys: tuple = ()  # salts every block hash (e.g. an adapter's name)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -106,4 +107,8 @@ class Request:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
             tokens = self.all_token_ids[i * bs : (i + 1) * bs]
-            self.block_hashes.append(hash_block(parent, tokens, self.extra_keys))
+            extra = self.extra_keys
+            salt = self.sampling_params.cache_salt
+            if i == 0 and salt is not None:  # vLLM's rule: the first block's hash, and so the chain
+                extra = (("cache_salt", salt), *extra)
+            self.block_hashes.append(hash_block(parent, tokens, extra))

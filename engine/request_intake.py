@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from kvray.engine.request import Request, SampleGroup
+from kvray.engine.request_limits import RequestLimits
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.structured_outputs import GrammarCompiler
 from kvray.errors import InvalidArgumentError
@@ -38,10 +39,10 @@ def eos_token_ids(hf_config, model_path, tokenizer) -> frozenset[int]:
 
 
 class RequestIntake:
-    def __init__(self, tokenizer, hf_config, model_path, max_model_len: int, block_size: int):
+    def __init__(self, tokenizer, hf_config, model_path, limits: RequestLimits, block_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = hf_config.vocab_size
-        self.max_model_len = max_model_len
+        self.limits = limits
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids(hf_config, model_path, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
@@ -59,17 +60,7 @@ class RequestIntake:
         raise InvalidArgumentError("prompt", prompt, "a string, token ids, or {'prompt_token_ids': [...]}")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidArgumentError("prompt", prompt_ids, "at least 1 token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidArgumentError(
-                "prompt",
-                f"<{len(prompt_ids)} tokens>",
-                f"at most {self.max_model_len - 1} tokens (max_model_len={self.max_model_len})",
-            )
-        vocab = self.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidArgumentError("prompt_token_ids", "out of range", f"ids in [0, {vocab - 1}]")
+        self.limits.check(prompt_ids, params)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # a bad grammar fails here (cached)
 
@@ -82,12 +73,16 @@ class RequestIntake:
         priority: int,
         deadline: float | None,
         made_elsewhere: list[int],
+        matchers: list | None = None,
     ) -> list[Request]:
         """One Request per sample id, with the tokens `made_elsewhere` (generated on an
         engine that has gone, or the first token of a prefill elsewhere) replayed through
-        its grammar."""
+        its grammar. `matchers`: one grammar matcher per sample, built by the caller (else
+        built here, where the request has a grammar)."""
         group = SampleGroup(params.n) if params.n > 1 else None
         so = params.structured_outputs
+        if so is not None and matchers is None:
+            matchers = [self.grammars.matcher(so) for _ in sample_ids]
         now = time.monotonic()
         samples = [
             Request(
@@ -102,7 +97,7 @@ class RequestIntake:
                 deadline=deadline,
                 sample_index=i,
                 group=group,
-                grammar=self.grammars.matcher(so) if so is not None else None,
+                grammar=matchers[i] if so is not None else None,
             )
             for i, sample_id in enumerate(sample_ids)
         ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvray.engine.sampling_params import SamplingParams
+from kvray.engine.sampling_params import SamplingParams, sample_seed
 from kvray.engine.structured_outputs import apply_token_bitmask
 from kvray.kernels import cpu_native
 
@@ -96,6 +96,22 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
+    def save_generators(self, requests: list[SampleRow]) -> dict[str, torch.Tensor | None]:
+        """The seeded rows' generator states before a pass (None: not made yet), so that a
+        pass that fails can be redone drawing the same numbers (`restore_generators`)."""
+        return {
+            r.request_id: (g.get_state() if (g := self.generators.get(r.request_id)) is not None else None)
+            for r in requests
+            if r.sampling_params.seed is not None and not r.sampling_params.greedy
+        }
+
+    def restore_generators(self, saved: dict[str, torch.Tensor | None]) -> None:
+        for request_id, state in saved.items():
+            if state is None:
+                self.generators.pop(request_id, None)
+            else:
+                self.generators[request_id].set_state(state)
+
     def __call__(
         self, logits: torch.Tensor, requests: list[SampleRow], greedy: torch.Tensor | None = None
     ) -> SamplerOutput:
@@ -149,20 +165,44 @@ class Sampler:
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
-        """OpenAI's logit_bias (added), then the suppressed tokens (-inf)."""
-        suppressed = [getattr(r, "suppressed_token_ids", None) for r in requests]  # SampleRows have them
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.logit_bias or suppressed[i]]
-        if not rows:
+        """OpenAI's logit_bias (added), vLLM's allowed_token_ids (every other token -inf),
+        then the suppressed tokens (-inf): one indexed op each for the whole batch, whatever
+        the number of entries (the ids were checked against the vocabulary at intake)."""
+        bias: tuple[list, list, list] = ([], [], [])  # rows, token ids, values
+        allowed: tuple[list, list] = ([], [])  # rows, token ids
+        suppressed: tuple[list, list] = ([], [])
+        vocab = logits.shape[1]
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if p.logit_bias:
+                bias[0].extend([i] * len(p.logit_bias))
+                bias[1].extend(p.logit_bias)
+                bias[2].extend(p.logit_bias.values())
+            if p.allowed_token_ids is not None:
+                allowed[0].extend([i] * len(p.allowed_token_ids))
+                allowed[1].extend(p.allowed_token_ids)
+            for t in getattr(r, "suppressed_token_ids", None) or ():  # SampleRows have them
+                if t < vocab:  # (the model's own EOS ids included: never trust them past the vocab)
+                    suppressed[0].append(i)
+                    suppressed[1].append(t)
+        if not (bias[0] or allowed[0] or suppressed[0]):
             return logits
         logits = logits.clone()
-        vocab = logits.shape[1]
-        for i in rows:
-            r = requests[i]
-            for token, bias in (r.sampling_params.logit_bias or {}).items():
-                if token < vocab:
-                    logits[i, token] += bias
-            if suppressed[i]:
-                logits[i, [t for t in suppressed[i] if t < vocab]] = float("-inf")
+        dev = logits.device
+
+        def index(rows: list, cols: list) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tensor(rows, device=dev), torch.tensor(cols, dtype=torch.long, device=dev)
+
+        if bias[0]:
+            values = torch.tensor(bias[2], dtype=logits.dtype, device=dev)
+            logits.index_put_(index(bias[0], bias[1]), values, accumulate=True)
+        if allowed[0]:
+            forbidden = torch.zeros_like(logits, dtype=torch.bool)
+            forbidden[sorted(set(allowed[0]))] = True
+            forbidden[index(*allowed)] = False
+            logits.masked_fill_(forbidden, float("-inf"))
+        if suppressed[0]:
+            logits[index(*suppressed)] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRow]):
@@ -195,7 +235,9 @@ class Sampler:
     def _generator(self, r: SampleRow, device: torch.device) -> torch.Generator:
         g = self.generators.get(r.request_id)
         if g is None:
-            g = torch.Generator(device=device).manual_seed(r.sampling_params.seed + r.sample_index)
+            g = torch.Generator(device=device).manual_seed(
+                sample_seed(r.sampling_params.seed, r.sample_index)
+            )
             for _ in range(r.num_output_tokens):  # tokens sampled elsewhere (a prefill worker)
                 torch.rand(1, device=device, generator=g)
             self.generators[r.request_id] = g

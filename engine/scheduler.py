@@ -220,7 +220,7 @@ class Scheduler:
         params = req.sampling_params
         token = req.output_token_ids[-1]
         if req.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
+            if token in params.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in req.eos_token_ids:

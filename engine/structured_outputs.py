@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # torch loads only where masks are applied (the scheduler's s
     import torch
 
 FORMATS = ("json", "regex", "choice", "grammar", "json_object")
+CACHE_ENTRIES = 512  # compiled grammars a GrammarCompiler keeps, least recently used out first
+CACHE_BYTES = 64 << 20  # ... and their text (keys and grammars) at most this many bytes
 
 
 @dataclass(frozen=True)
@@ -73,14 +76,26 @@ class StructuredOutputsParams:
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutputsParams for one tokenizer; caches by `key()`."""
+    """Compiles StructuredOutputsParams for one tokenizer; caches by `key()`, least
+    recently used first out past `max_entries` grammars or `max_bytes` of their text (every
+    request may bring a new schema: an unbounded cache grows with the traffic)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        max_entries: int = CACHE_ENTRIES,
+        max_bytes: int = CACHE_BYTES,
+    ):
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = None  # llguidance's view of it, built on first use (about 1 s)
-        self._cache: dict[str, str] = {}
+        self._cache: OrderedDict[str, str] = OrderedDict()
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.num_bytes = 0  # of the cached keys and grammars
         self._lock = threading.Lock()
 
     @property
@@ -101,6 +116,8 @@ class GrammarCompiler:
         key = params.key()
         with self._lock:
             grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
         if grammar is not None:
             return grammar
         import llguidance
@@ -110,15 +127,27 @@ class GrammarCompiler:
         try:
             grammar = _grammar_text(llguidance, params)
             error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-        except (ValueError, TypeError) as e:
-            error = str(e)
+        except (ValueError, TypeError, RecursionError) as e:
+            error = str(e) or type(e).__name__
         if error:
             raise InvalidArgumentError(
                 field, _short(getattr(params, params.kind)), f"a {params.kind} that compiles ({error})"
             )
-        with self._lock:
-            self._cache[key] = grammar
+        self._remember(key, grammar)
         return grammar
+
+    def _remember(self, key: str, grammar: str) -> None:
+        size = len(key) + len(grammar)
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = grammar
+            self.num_bytes += size
+            while len(self._cache) > self.max_entries or (
+                self.num_bytes > self.max_bytes and len(self._cache) > 1
+            ):
+                old_key, old = self._cache.popitem(last=False)
+                self.num_bytes -= len(old_key) + len(old)
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         import llguidance

@@ -2,8 +2,9 @@
 `library()` compiles the sources with the machine's C compiler for this processor
 (`-march=native`) into the user's cache (`$KVRAY_CACHE`, default `~/.cache/kvray`, as for
 models), keyed by the source, the compiler and the CPU's flags, so each machine builds it
-once (about a second), and declares each entry point's C signature. The typed wrappers
-callers use are in kernels/cpu_native.py.
+once (seconds), and declares each entry point's C signature. The typed wrappers
+callers use are in kernels/cpu_native.py. A library file there that another user owns, or
+that others may write, is never loaded (it runs in every kvray process): it is built anew.
 
 Without a compiler, or with `KVRAY_NATIVE_KERNELS=0`, `library()` is None (the reason
 logged once) and the callers use their pure-torch paths.
@@ -17,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -49,7 +51,8 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _build(compiler: str) -> Path:
+def _target(compiler: str) -> Path:
+    """Where this machine's build of these sources with this compiler lives."""
     source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
@@ -57,18 +60,37 @@ def _build(compiler: str) -> Path:
             [source, " ".join(FLAGS).encode(), version.encode(), " ".join(sorted(cpu_flags())).encode()]
         )
     )
-    target = _cache_dir() / f"kvray_cpu_{key.hexdigest()[:16]}.so"
+    return _cache_dir() / f"kvray_cpu_{key.hexdigest()[:16]}.so"
+
+
+def trusted(path: Path) -> bool:
+    """Owned by this user and writable by no one else: a file fit to load as code."""
+    info = path.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _compile(compiler: str, out: Path) -> None:
+    result = subprocess.run(
+        [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+
+
+def _build(compiler: str) -> Path:
+    target = _target(compiler)
     if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+        if trusted(target):
+            return target
+        logger.warning("kvray: %s is not this user's own, or others may write it: building it anew", target)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders: last rename wins
         built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        _compile(compiler, built)
+        os.chmod(built, 0o755)
         os.replace(built, target)
+    if not trusted(target):  # (replaced meanwhile by someone else's file)
+        raise RuntimeError(f"{target} is not this user's own, or others may write it")
     return target
 
 

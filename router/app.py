@@ -22,14 +22,17 @@ app (another replica's latest requests a fraction of a second late).
 # No `from __future__ import annotations`: FastAPI must see real types on the (pickled) routes.
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
+import hmac
 import inspect
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,12 +45,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvray.configs import DeploymentConfig, ServeConfig
+from kvray.engine.sampling_params import sample_seed
 from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router import metrics
 from kvray.router.api_error import APIError
 from kvray.router.autoscaling import publish_waiting
 from kvray.router.direct_http import DirectHTTP
-from kvray.router.frontend import Frontend, RequestTimeoutError
+from kvray.router.frontend import Frontend, RequestFailedError, RequestTimeoutError
 from kvray.router.ingest import Ingest
 from kvray.router.openapi import openapi_body, openapi_schemas
 from kvray.router.pools import pool_deployment
@@ -62,11 +66,13 @@ from kvray.router.protocol import (
 from kvray.router.responses import ResponseBuilder, Usage
 from kvray.router.router_deployment import RouterDeployment
 from kvray.router.streams import all_or_none, merge, sse
+from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 PRESETS = Path(__file__).resolve().parent.parent / "configs"
 METRICS_PUBLISH_S = 0.2  # an ingress replica publishes its request metrics this soon after a change
 WAITING_REFRESH_S = 2.0  # ... and its waiting requests again this often while any wait
+CONTROL_CALL_S = 5.0  # /health and /metrics answer 503 when the control plane takes longer
 
 app = FastAPI(title="kvray", description="OpenAI-compatible LLM serving on Ray")
 
@@ -89,10 +95,21 @@ async def _api_error(_request: Request, e: APIError) -> JSONResponse:
 
 
 @app.exception_handler(Exception)
-async def _internal_error(_request: Request, e: Exception) -> JSONResponse:
-    logger.exception("kvray ingress: request failed")
-    body = APIError(500, f"{type(e).__name__}: {e}", type="internal_server_error").body()
-    return JSONResponse(body, status_code=500)
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    """What nothing else caught: logged under an id the client is given, never its text."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    logger.error("kvray ingress: %s %s failed (%s)", request.method, request.url.path, error_id, exc_info=e)
+    return JSONResponse(_internal(error_id).body(), status_code=500)
+
+
+def _internal(request_id: str) -> APIError:
+    """A 5xx body that names the request (its cause is in the server's log), never the cause."""
+    return APIError(
+        500,
+        f"the server failed to complete request {request_id}; its cause is in the server's log",
+        type="internal_server_error",
+        code="internal_error",
+    )
 
 
 def load_config(config: ServeConfig | dict | str | Path) -> ServeConfig:
@@ -151,9 +168,11 @@ def _cause(e: BaseException) -> BaseException:
     return e
 
 
-def _api_error_of(e: KvrayError) -> APIError:
+def _api_error_of(e: KvrayError, request_id: str) -> APIError:
     if isinstance(e, InvalidArgumentError):
         return APIError.invalid(e)
+    if isinstance(e, RequestFailedError):  # something of its own failed on its worker (logged there)
+        return _internal(request_id)
     if isinstance(e, RequestTimeoutError):  # Ray Serve's request_timeout_s answers 408 too
         return APIError(408, str(e), type="timeout_error", code="request_timeout")
     # no worker (none live, none joined in time), or its worker died past migration_limit
@@ -166,14 +185,42 @@ def _api_error_of(e: KvrayError) -> APIError:
     )
 
 
-def _error_body(e: KvrayError) -> dict:
-    return _api_error_of(e).body()
-
-
 def _load_tokenizer(model: str):
-    from kvray.models.loader import load_tokenizer, resolve_model_path
+    """The model's tokenizer and its end-of-sequence ids (the grammars' ends)."""
+    from kvray.engine.request_intake import eos_token_ids
+    from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 
-    return load_tokenizer(resolve_model_path(model))
+    path = resolve_model_path(model)
+    tokenizer = load_tokenizer(path)
+    return tokenizer, eos_token_ids(load_config(path), path, tokenizer)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (after its body was read, the ASGI server's next
+    message is the disconnect); never, where the server cannot say."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # (a server that repeats its messages: do not spin)
+    except Exception:  # noqa: BLE001 (no way to watch: never fire)
+        await asyncio.Event().wait()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, or cancel it when the client disconnects first (the requests it runs
+    are aborted on every worker they touched). None when the client has gone."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    finally:
+        task.cancel()
+        watch.cancel()
 
 
 def _any_waiting(waiting: dict[str, dict[str, float]]) -> bool:
@@ -187,15 +234,19 @@ class OpenAIIngress:
         self.config = ServeConfig(**config)
         self.pools = pools  # bound here so Serve runs the pool deployments with the app
         self.router = router  # the control plane: which workers serve a request
-        self.limits = await router.model_info.remote()
-        self.tokenizer = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
+        self.limits = await router.model_info.remote()  # RequestLimits: what the engines take
+        self.tokenizer, eos = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
         parser = self.config.tool_call_parser
-        self.ingest = Ingest(self.tokenizer, self.limits, self.config.model_name, parser)
+        self.ingest = Ingest(self.tokenizer, self.limits, self.config.model_name, parser, eos)
+        # templating, tokenizing and compiling grammars, one request at a time, off the event
+        # loop: a large body never stalls the streams this replica serves
+        self.ingest_thread = ThreadPoolExecutor(1, thread_name_prefix="kvray-ingest")
         self.num_in_flight = 0
         self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
         deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
         self.front_id = f"{self.config.app_name}-ingress-{self.replica}-{uuid.uuid4().hex[:6]}"
-        self.frontend = Frontend(router, deployment, self.front_id)
+        me = ray.get_runtime_context().current_actor  # the workers watch it: its requests die with it
+        self.frontend = Frontend(router, deployment, self.front_id, handle=me)
         self.publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
         self.http = None  # direct ingress: this replica's own HTTP server
         if self.config.direct_ingress:
@@ -210,6 +261,8 @@ class OpenAIIngress:
         """Serve stops the replica: stop accepting, let streams in flight finish."""
         if getattr(self, "http", None) is not None:
             await self.http.stop()
+        if getattr(self, "ingest_thread", None) is not None:
+            self.ingest_thread.shutdown(wait=False)
         parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
         if parent is not None and inspect.isawaitable(done := parent()):
             await done
@@ -257,18 +310,29 @@ class OpenAIIngress:
             "object": "model",
             "created": 0,
             "owned_by": "kvray",
-            "max_model_len": self.limits["max_model_len"],
+            "max_model_len": self.limits.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(self, request: Request) -> dict:
-        """vLLM's shape: a prompt or chat messages -> {count, max_model_len, tokens, token_strs}."""
+        """vLLM's shape: a prompt or chat messages -> {count, max_model_len, tokens, token_strs}.
+        Admitted like a completion (it holds a slot while it runs), tokenized off the loop."""
         self._check_auth(request)
         req = validate_body(TokenizeRequest, await self._read_json(request))
         self.ingest.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt", code="invalid_value")
+        with self._admitted(1):
+            ids, strs = await self._off_loop(self._tokenize, req)
+        return {
+            "count": len(ids),
+            "max_model_len": self.limits.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    def _tokenize(self, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
         if req.messages is not None:
             text = self.ingest.chat_text(
                 req.messages, req.tools, req.add_generation_prompt, req.continue_final_message
@@ -277,36 +341,49 @@ class OpenAIIngress:
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = self.tokenizer(req.prompt, add_special_tokens=add).input_ids
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return {
-            "count": len(ids),
-            "max_model_len": self.limits["max_model_len"],
-            "tokens": ids,
-            "token_strs": strs,
-        }
+        return ids, self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+
+    async def _off_loop(self, fn, *args):
+        """fn(*args) on the ingest thread (templating, tokenizing, compiling grammars)."""
+        return await asyncio.get_running_loop().run_in_executor(self.ingest_thread, fn, *args)
 
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> dict:
         self._check_auth(request)
         req = validate_body(DetokenizeRequest, await self._read_json(request))
         self.ingest.check_model(req.model)
-        vocab = self.limits["vocab_size"]
+        vocab = self.limits.vocab_size
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens: ids in [0, {vocab - 1}]", param="tokens", code="invalid_value")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     @app.get("/health")
     async def health(self) -> Response:
-        pools = await self.router.live_workers.remote()
+        """200 with every pool live; 503 when a pool has no live worker, or when the
+        control plane does not answer within CONTROL_CALL_S."""
         roles = ["prefill", "decode"] if self.config.disaggregated else ["mixed"]
+        try:
+            pools = await wait_for(self.router.live_workers.remote(), CONTROL_CALL_S)
+        except Exception as e:  # noqa: BLE001 (the Router is down or restarting)
+            body = {"status": "unavailable", "error": f"the router did not answer: {type(e).__name__}"}
+            return JSONResponse({**body, "replica": self.replica}, 503)
         ok = all(pools.get(r) for r in roles)
         body = {"status": "ok" if ok else "degraded", "workers": pools, "replica": self.replica}
         return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
-        workers = await self.router.worker_stats.remote()
-        others = await asyncio.to_thread(metrics.published, self.config.app_name, self.front_id)
+    async def metrics(self, request: Request) -> Response:
+        if self.config.metrics_need_api_key:
+            self._check_auth(request)
+        try:
+            workers = await wait_for(self.router.worker_stats.remote(), CONTROL_CALL_S)
+            others = await wait_for(
+                asyncio.to_thread(metrics.published, self.config.app_name, self.front_id), CONTROL_CALL_S
+            )
+        except Exception as e:  # noqa: BLE001 (the Router or Ray's KV is down)
+            raise APIError(
+                503, f"the control plane did not answer: {type(e).__name__}", type="service_unavailable"
+            ) from None
         requests = metrics.merge([self.frontend.stats.snapshot(), *others])
         text = metrics.render(self.config.model_name, requests, workers)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -317,14 +394,18 @@ class OpenAIIngress:
         if body.get("stream"):
             gen = self._stream(body, chat)
             await anext(gen)  # validated and admitted: errors so far are still plain HTTP errors
-            return StreamingResponse(sse(gen), media_type="text/event-stream")
-        return JSONResponse(await self._complete(body, chat))
+            return StreamingResponse(sse(gen), media_type="text/event-stream")  # (it sees disconnects)
+        answer = await _unless_disconnected(request, self._complete(body, chat))
+        if answer is None:  # the client left: its requests were aborted; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(answer)
 
     def _check_auth(self, request: Request) -> None:
         key = self.config.api_key
         if key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {key}":
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {key}".encode()):  # in constant time
             raise APIError(
                 401, "missing or wrong API key", type="authentication_error", code="invalid_api_key"
             )
@@ -343,6 +424,8 @@ class OpenAIIngress:
             body = json.loads(raw)
         except ValueError as e:
             raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        except RecursionError:  # (check_body's bound is far lower: this is only the parser's)
+            raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         return body
@@ -366,14 +449,24 @@ class OpenAIIngress:
     # ---- the work -----------------------------------------------------------------------
 
     async def _complete(self, body: dict, chat: bool) -> dict:
-        req, builder, jobs = self._prepare(body, chat)
+        req, builder, jobs = await self._off_loop(self._prepare, body, chat)
         with self._admitted(len(jobs)):
-            finals = await all_or_none([self._final(*job) for job in jobs])
+            try:
+                finals = await all_or_none([self._final(*job) for job in jobs])
+            except KvrayError as e:
+                raise _api_error_of(e, builder.request_id) from None
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 (logged with the request's id; the client gets the id)
+                logger.error("kvray ingress: request %s failed", builder.request_id, exc_info=e)
+                raise _internal(builder.request_id) from None
         usage = Usage(_num_prompt_tokens(jobs, req.n), sum(len(f.token_ids) for f in finals))
         return builder.body(dict(enumerate(finals)), usage)
 
     async def _stream(self, body: dict, chat: bool) -> AsyncIterator[dict]:
-        req, builder, jobs = self._prepare(body, chat)
+        """None once validated and admitted, then the chunks. An error after that ends
+        the stream with one OpenAI error event (the SSE framing then sends [DONE])."""
+        req, builder, jobs = await self._off_loop(self._prepare, body, chat)
         num_prompt_tokens = _num_prompt_tokens(jobs, req.n)
         with self._admitted(len(jobs)):
             yield None  # validated and admitted: the caller may start the response now
@@ -388,7 +481,11 @@ class OpenAIIngress:
                     if chunk is not None:
                         yield chunk
             except KvrayError as e:
-                yield _error_body(e)
+                yield _api_error_of(e, builder.request_id).body()
+                return
+            except Exception as e:  # noqa: BLE001 (logged with the request's id; the client gets the id)
+                logger.error("kvray ingress: stream %s failed", builder.request_id, exc_info=e)
+                yield _internal(builder.request_id).body()
                 return
             if req.include_usage:
                 done = sum(len(c.token_ids) for c in outs.values())
@@ -399,9 +496,15 @@ class OpenAIIngress:
         req = parse_request(body, chat)
         self.ingest.check_model(req.model)
         try:
+            limit = self.config.router.max_request_timeout_s
+            if req.request_timeout_s is not None and req.request_timeout_s > limit:
+                raise InvalidArgumentError(
+                    "request_timeout_s", req.request_timeout_s, f"(0, {limit:g}] seconds"
+                )
             params = req.to_params()
             prompts = self.ingest.prompts(req)
             self.ingest.check_room(req, params.max_tokens, prompts)
+            self.ingest.check(params, req.grammar_field)
             tools = self.ingest.tool_parser(req) if chat else None
         except InvalidArgumentError as e:
             raise APIError.invalid(e) from None
@@ -417,8 +520,7 @@ class OpenAIIngress:
         jobs = []
         for p, prompt in enumerate(prompts):
             for i in range(req.n):
-                seed = None if params.seed is None else params.seed + i
-                sample = params if i == 0 else _replace(params, seed=seed)
+                sample = params if i == 0 else _replace(params, seed=sample_seed(params.seed, i))
                 jobs.append((f"{rid}-{p * req.n + i}", prompt, sample, req.request_timeout_s))
         return req, builder, jobs
 
@@ -436,11 +538,8 @@ class OpenAIIngress:
 
     async def _final(self, rid: str, prompt_token_ids: list[int], params, timeout_s: float | None = None):
         final = None
-        try:
-            async for final in self._outputs(rid, prompt_token_ids, params, timeout_s):  # noqa: B007 (keep the last)
-                pass
-        except KvrayError as e:
-            raise _api_error_of(e) from None
+        async for final in self._outputs(rid, prompt_token_ids, params, timeout_s):  # noqa: B007 (keep the last)
+            pass
         return final
 
     @contextmanager

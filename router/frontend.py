@@ -31,7 +31,7 @@ from kvray.actors.worker import WorkerLeavingError
 from kvray.configs import DeploymentConfig
 from kvray.engine import CompletionOutput, SamplingParams
 from kvray.engine.sampling_params import RequestOutputKind
-from kvray.errors import KvrayError
+from kvray.errors import EngineDeadError, KvrayError
 from kvray.router.inbox import Gone, Inbox, join
 from kvray.router.metrics import RequestStats, RequestTimer
 from kvray.router.policy import prefix_key
@@ -40,12 +40,20 @@ from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 ROUTER_WAIT_S = 60.0  # how long a front keeps asking a Router that is (re)starting
+ROUTER_CALL_S = 10.0  # a Router that does not answer one call this soon is asked again
 WORKER_POLL_S = 0.5  # how often a request waiting for a worker to join asks again
+# a worker that cannot take the request (dead, leaving, or its engine failed): try another
+RETRYABLE = (*DEAD, WorkerLeavingError, EngineDeadError)
 
 
 class RequestTimeoutError(KvrayError):
     """The request passed its deadline (`router.request_timeout_s` or its own) before it
     produced any output; it has been aborted on every worker."""
+
+
+class RequestFailedError(KvrayError):
+    """Something of the request's own failed on its worker (its sampling, grammar or
+    detokenizing; the cause is in that worker's log); the other requests went on."""
 
 
 class WorkerDiedError(KvrayError):
@@ -61,10 +69,14 @@ class WorkerDiedError(KvrayError):
 
 
 class Frontend:
-    def __init__(self, router, config: DeploymentConfig, front_id: str, stats: RequestStats | None = None):
+    def __init__(
+        self, router, config: DeploymentConfig, front_id: str, stats: RequestStats | None = None, handle=None
+    ):
         """`router`: a handle to the Router (a Serve deployment handle or an actor handle:
-        `router.route.remote(...)` is awaited either way)."""
+        `router.route.remote(...)` is awaited either way). `handle`: the actor this front
+        runs in (the workers watch it, and abort its requests should it die)."""
         self.router = router
+        self.handle = handle
         self.config = config
         self.front_id = front_id
         self.stats = stats or RequestStats()
@@ -182,9 +194,11 @@ class Frontend:
             if not handed_off:  # (a hand-off's queue time is the prefill worker's, taken above)
                 timer.on_queue_time(delta.info.get("queue_seconds"))
             timer.cost_usd += delta.info.get("cost_usd", 0.0)
-            if "error" in delta.info:
-                raise RuntimeError(f"{delta.request_id} failed on its worker: {delta.info['error']}")
         timer.on_tokens(len(delta.token_ids))
+        if delta.finish_reason == "error":
+            raise RequestFailedError(
+                f"request {delta.request_id} failed on its worker (the cause is in its log)"
+            )
 
     async def _prefill(
         self, req: EngineRequest, key, touched: dict, deadline: float
@@ -195,7 +209,7 @@ class Frontend:
             touched[wid] = handle
             try:
                 return handle, await _until(handle.prefill.remote(req), deadline, req.request_id)
-            except (*DEAD, WorkerLeavingError):
+            except RETRYABLE:
                 self._retry(tried, wid)
 
     async def _run_on(
@@ -222,7 +236,7 @@ class Frontend:
             try:
                 try:
                     await _until(start(handle), deadline, req.request_id)
-                except (*DEAD, WorkerLeavingError):
+                except RETRYABLE:
                     self._retry(tried, wid)
                     continue
                 gone = None
@@ -276,7 +290,7 @@ class Frontend:
     async def _ask_router(self, role: str, key, exclude: list[str], router_deadline: float):
         while True:
             try:
-                chosen = await self.router.route.remote(role, key, exclude)
+                chosen = await wait_for(self.router.route.remote(role, key, exclude), ROUTER_CALL_S)
             except Exception as e:
                 cause = getattr(e, "cause", None)  # a Ray task error: the Router's own
                 if isinstance(cause, KvrayError):
@@ -284,7 +298,9 @@ class Frontend:
                 if isinstance(e, KvrayError):
                     raise
                 if time.monotonic() > router_deadline:
-                    raise
+                    raise NoWorkerError(
+                        f"the router did not answer for {ROUTER_WAIT_S:g} s ({e!r})"
+                    ) from None
                 logger.warning("kvray front: the router did not answer (%r); asking again", e)
                 await asyncio.sleep(0.5)
                 continue
@@ -295,7 +311,9 @@ class Frontend:
     def _inbox(self, worker_id: str, handle) -> Inbox:
         inbox = self.inboxes.get(worker_id)
         if inbox is None:
-            inbox = self.inboxes[worker_id] = Inbox(self.front_id, worker_id, handle, self._forget)
+            inbox = self.inboxes[worker_id] = Inbox(
+                self.front_id, worker_id, handle, self._forget, self.handle
+            )
         return inbox
 
     def _forget(self, inbox: Inbox) -> None:

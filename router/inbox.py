@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import ray
 
-from kvray.actors.messages import Delta
+from kvray.actors.messages import WORKER_FAILED, Delta
+from kvray.errors import EngineDeadError
 
 
 class Gone:
@@ -46,10 +47,15 @@ class Mailbox:
 class Inbox:
     """One worker's `outputs` stream into this front, split into per-request mailboxes."""
 
-    def __init__(self, front_id: str, worker_id: str, handle, on_close: Callable[[Inbox], None]):
+    def __init__(
+        self, front_id: str, worker_id: str, handle, on_close: Callable[[Inbox], None], front_handle=None
+    ):
+        """`front_handle`: the front's own actor handle, which the worker asks whether the
+        front still lives (it aborts the front's requests when it does not)."""
         self.worker_id = worker_id
         self.mailboxes: dict[str, Mailbox] = {}
-        self.stream = handle.outputs.options(num_returns="streaming").remote(front_id)
+        extra = {"front": front_handle} if front_handle is not None else {}
+        self.stream = handle.outputs.options(num_returns="streaming").remote(front_id, **extra)
         self.on_close = on_close
         self.task = asyncio.ensure_future(self._run())
 
@@ -66,7 +72,11 @@ class Inbox:
             async for ref in self.stream:
                 for delta in await ref:
                     box = self.mailboxes.get(delta.request_id)
-                    if box is not None:
+                    if box is None:
+                        continue
+                    if delta.info and WORKER_FAILED in delta.info:  # as if the worker had died
+                        box.put(Gone(self.worker_id, EngineDeadError(delta.info[WORKER_FAILED])))
+                    else:
                         box.put(delta)
         except asyncio.CancelledError:
             raise

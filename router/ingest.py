@@ -1,9 +1,13 @@
 """Ingest once: a request's prompts through the chat template and the tokenizer, checked
-against the model's limits, before anything goes downstream (the ingress, router/app.py,
-sends only token ids and typed parameters to the workers)."""
+against the model's limits (the engine's own `RequestLimits`) and its grammar compiled,
+before anything goes downstream (the ingress, router/app.py, sends only token ids and
+typed parameters to the workers)."""
 
 from __future__ import annotations
 
+from kvray.engine import SamplingParams
+from kvray.engine.request_limits import RequestLimits
+from kvray.engine.structured_outputs import GrammarCompiler
 from kvray.errors import InvalidArgumentError
 from kvray.router.api_error import APIError
 from kvray.router.protocol import ChatCompletionRequest, CompletionRequest
@@ -11,15 +15,38 @@ from kvray.router.tool_calls import ToolCallParser, parser_for_template
 
 
 class Ingest:
-    """The model's tokenizer and limits (`max_model_len`, `vocab_size`), and the checks a
-    request meets before it runs."""
+    """The model's tokenizer and the engine's limits, and the checks a request meets
+    before it runs: the same `RequestLimits.check` the engine's intake makes, and its
+    grammar compiled (cached), so that a bad request is a 400 here, not a failure later."""
 
-    def __init__(self, tokenizer, limits: dict, model_name: str, tool_call_parser: str | None):
+    def __init__(
+        self,
+        tokenizer,
+        limits: RequestLimits,
+        model_name: str,
+        tool_call_parser: str | None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_name = model_name
         template = getattr(tokenizer, "chat_template", None)
         self.tool_call_parser = tool_call_parser or parser_for_template(template)
+        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, eos_token_ids)
+
+    def check(self, params: SamplingParams, grammar_field: str = "structured_outputs") -> None:
+        """The request's parameters against the model (token ids, stop strings, the
+        grammar's size and depth), then its grammar compiled: InvalidArgumentError, a
+        grammar's named after the body field that gave it (`grammar_field`)."""
+        try:
+            self.limits.check_params(params)
+            if params.structured_outputs is not None:
+                self.grammars.compile(params.structured_outputs)
+        except InvalidArgumentError as e:
+            if not e.field.startswith("structured_outputs") or grammar_field == "structured_outputs":
+                raise
+            field = grammar_field + e.field[len("structured_outputs") :]
+            raise InvalidArgumentError(field, e.value, e.allowed) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -59,20 +86,14 @@ class Ingest:
             if not raw:
                 raise InvalidArgumentError("prompt", req.prompt, "a non-empty prompt")
             prompts = [(p, self.tokenizer(p).input_ids) if isinstance(p, str) else (None, p) for p in raw]
-        limit, vocab = self.limits["max_model_len"], self.limits["vocab_size"]
         for _, ids in prompts:
-            if not ids:
-                raise InvalidArgumentError("prompt", ids, "at least 1 token")
-            if len(ids) >= limit:
-                raise InvalidArgumentError("prompt", f"<{len(ids)} tokens>", f"fewer than {limit} tokens")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise InvalidArgumentError("prompt", "token ids", f"ids in [0, {vocab - 1}]")
+            self.limits.check_prompt(ids)
         return [ids for _, ids in prompts]
 
     def check_room(self, req, max_tokens: int | None, prompts: list[list[int]]) -> None:
         """As vLLM's server: a `max_tokens` that the longest prompt leaves no room for in
         the context is a 400, not a completion cut short at `max_model_len`."""
-        limit, longest = self.limits["max_model_len"], max(len(ids) for ids in prompts)
+        limit, longest = self.limits.max_model_len, max(len(ids) for ids in prompts)
         if max_tokens is not None and longest + max_tokens > limit:
             given = getattr(req, "max_completion_tokens", None) is not None
             raise InvalidArgumentError(

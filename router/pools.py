@@ -27,6 +27,7 @@ from kvray.timeouts import wait_for
 DRAIN_SECONDS = 60.0  # a leaving worker finishes its requests for at most this long
 WORKER_CALL_S = 5.0
 HEALTH_CHECK_S = 2.0
+HEALTH_CALL_S = 10.0  # a worker that does not answer its health check this soon is unhealthy
 
 
 @serve.deployment(
@@ -47,19 +48,23 @@ class PoolReplica:
         await self.worker.ready.remote()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return await self.worker.load_signals.remote()
+        return await wait_for(self.worker.load_signals.remote(), WORKER_CALL_S)
 
     async def check_health(self) -> None:
-        await self.worker.ready.remote()  # a dead worker makes Serve replace this replica
+        """A dead worker, or one whose engine can no longer serve (its loop died, a step
+        hangs past step_timeout_s), makes Serve replace this replica."""
+        await wait_for(self.worker.ready.remote(), HEALTH_CALL_S)
 
     async def __del__(self):
         """Drain the worker: no new request, the ones it holds finish (and its pinned
-        prefills are pulled or expire), then stop it."""
+        prefills are pulled or expire), then stop it. A worker whose engine has failed
+        has nothing left to finish (its requests moved on): it stops at once."""
         deadline = time.monotonic() + DRAIN_SECONDS
         try:
+            await wait_for(self.worker.ready.remote(), WORKER_CALL_S)
             await wait_for(self.worker.drain.remote(), WORKER_CALL_S)
             while time.monotonic() < deadline:
-                load = await self.worker.load_signals.remote()
+                load = await wait_for(self.worker.load_signals.remote(), WORKER_CALL_S)
                 if not load["running_requests"] and not load["kv_handoffs"]:
                     break
                 await asyncio.sleep(0.2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,6 +39,7 @@ UNSUPPORTED = {
 }
 # fields OpenAI accepts that change nothing a server computes
 ACCEPTED_NO_OP = {"store", "metadata", "service_tier"}
+MAX_BODY_DEPTH = 100  # objects and arrays nested in a request body (a schema's own bound is lower)
 
 
 class StreamOptions(BaseModel):
@@ -105,6 +107,8 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's extra: sample only among these
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache only under this salt
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extra
     # kvray: abort the request this many seconds after it arrived (server default:
@@ -126,6 +130,12 @@ class _SamplingRequest(BaseModel):
                 "structured_outputs", "with response_format", "one of response_format or structured_outputs"
             )
         return given[0][1] if given else None
+
+    @property
+    def grammar_field(self) -> str:
+        """The body field that gave the request its grammar (errors in it are named so)."""
+        given = self.response_format is not None and self.response_format.type != "text"
+        return "response_format" if given else "structured_outputs"
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -166,6 +176,8 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            cache_salt=self.cache_salt,
             structured_outputs=self.structured_params(),
         )
 
@@ -288,6 +300,10 @@ class ChatCompletionRequest(_SamplingRequest):
         known = [t.function.name for t in self.tools or []]
         raise InvalidArgumentError("tool_choice", name, f"the name of a function in tools: {known}")
 
+    @property
+    def grammar_field(self) -> str:
+        return "tools" if self.tool_mode in ("required", "named") else super().grammar_field
+
     def structured_params(self) -> StructuredOutputsParams | None:
         mode = self.tool_mode
         if mode in ("auto", "required", "named") and not self.tools:
@@ -361,6 +377,7 @@ def parse_request(body: object, chat: bool) -> CompletionRequest | ChatCompletio
     """Validate a decoded JSON body; a bad field becomes a 400 naming it in `param`."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_body(body)
     model = ChatCompletionRequest if chat else CompletionRequest
     for name, what in UNSUPPORTED.items():
         if body.get(name) not in (None, False, [], ["text"]) and not (name == "best_of" and body[name] == 1):
@@ -372,6 +389,33 @@ def parse_request(body: object, chat: bool) -> CompletionRequest | ChatCompletio
     if unknown:
         logger.warning("kvray: ignoring unknown request fields %s", ", ".join(unknown))
     return req
+
+
+def check_body(body: dict) -> None:
+    """Every number in the body finite (`json.loads` takes NaN and Infinity, and NaN passes
+    every range check) and nothing nested past MAX_BODY_DEPTH; else a 400 naming the field.
+    Walked without recursion."""
+    stack: list[tuple[object, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise _bad_field(path, f"{value} is not a finite number")
+            continue
+        if depth >= MAX_BODY_DEPTH:
+            raise _bad_field(path, f"nested deeper than {MAX_BODY_DEPTH} levels")
+        children = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in children:
+            if isinstance(child, dict | list | float):
+                where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+                stack.append((child, where, depth + 1))
+
+
+def _bad_field(path: str, why: str) -> APIError:
+    """A 400 for the field at `path` (`a.b[2].c`), its top-level name as `param`."""
+    top = path.split(".")[0].split("[")[0] or None
+    shown = path if len(path) <= 80 else path[:77] + "..."
+    return APIError(400, f"{shown or 'body'}: {why}", param=top, code="invalid_value")
 
 
 def validate_body(model: type[BaseModel], body: dict):

@@ -32,6 +32,7 @@ from kvray.timeouts import wait_for
 logger = logging.getLogger(__name__)
 DEAD = (RayActorError, ActorUnavailableError)
 STATS_TIMEOUT_S = 30.0
+WORKER_STATS_S = 2.0  # /metrics leaves out a worker that does not report within this
 MAX_MISSED_PROBES = 3  # probes in a row without an answer: no more requests until it answers
 
 # worker id -> (role, actor handle) of every live worker the cluster has now
@@ -170,6 +171,9 @@ class Router:
         return {role: sorted(ids) for role, ids in pools.items()}
 
     async def worker_stats(self) -> list[WorkerStats]:
-        """Every live worker's stats (for /metrics); the dead are left out."""
-        stats = await asyncio.gather(*(self._stats(w) for w in self.workers.values()), return_exceptions=True)
+        """Every live worker's stats (for /metrics); the dead, and those that do not answer
+        within WORKER_STATS_S (a hung engine), are left out."""
+        stats = await asyncio.gather(
+            *(wait_for(self._stats(w), WORKER_STATS_S) for w in self.workers.values()), return_exceptions=True
+        )
         return [s for s in stats if isinstance(s, WorkerStats)]

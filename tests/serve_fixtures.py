@@ -2,8 +2,8 @@
 one local Ray and two apps for the session, started on first use — the PD preset's shape
 (1 prefill + 1 decode worker, torch_dist) at "/" through Serve's proxy (`server`), and the
 colocated one (1 mixed worker) serving HTTP from its ingress replica itself, as the CPU
-presets do (direct ingress, `colo_server`: its own port) — with the official `openai`
-client and a raw httpx client beside them.
+presets do (direct ingress, `colo_server`: its own port; its /metrics behind the key too)
+— with the official `openai` client and a raw httpx client beside them.
 
 Session-scoped so the second module does not pay the start-up again; conftest.py imports
 these fixtures."""
@@ -47,7 +47,7 @@ def apps(tmp_path_factory, engine_args) -> dict[str, str]:
     # the colocated preset's shape beside it: one mixed worker, its own app and HTTP port
     colo_port = free_port()
     colo = {**config, "app_name": "colo", "disaggregated": False, "mixed": pool}
-    colo.update(direct_ingress=True, http_host="127.0.0.1", http_port=colo_port)
+    colo.update(direct_ingress=True, http_host="127.0.0.1", http_port=colo_port, metrics_need_api_key=True)
     serve.run(build_app(colo), name="colo", route_prefix="/colo")
     yield {"pd": f"http://127.0.0.1:{port}", "colocated": f"http://127.0.0.1:{colo_port}"}
     serve.shutdown()

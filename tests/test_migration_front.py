@@ -12,9 +12,10 @@ import asyncio
 import pytest
 from test_serve_metrics import FakeRouter, _Method, _ready
 
-from kvray.actors.messages import Delta
+from kvray.actors.messages import WORKER_FAILED, Delta
 from kvray.configs import DeploymentConfig
 from kvray.engine import SamplingParams
+from kvray.errors import EngineDeadError
 from kvray.router.frontend import Frontend, WorkerDiedError
 
 
@@ -87,6 +88,105 @@ def test_past_the_migration_limit_the_request_fails_saying_why():
         _run(front)
     assert e.value.worker_id == "mixed-1"  # the second worker died too
     assert [r.generated_token_ids for r in workers[1].requests] == [[11]]
+
+
+class FailedEngineWorker(DyingWorker):
+    """Streams the first token, then says its engine can no longer serve (a failed step,
+    a dead loop, a hung step): the stream itself stays open, as the actor is alive."""
+
+    def _outputs(self, destination):
+        async def stream():
+            await self.started.wait()
+            rid = self.requests[-1].request_id
+            yield _ready([Delta(rid, [11], "a", None, None, None)])
+            yield _ready(
+                [Delta(rid, [], "", None, None, None, {WORKER_FAILED: "EngineDeadError: step broke"})]
+            )
+            await asyncio.Event().wait()
+            yield  # never reached
+
+        return stream()
+
+
+class RefusingWorker(DyingWorker):
+    """Its engine failed before the request came: `generate` raises EngineDeadError."""
+
+    def _generate(self, req):
+        async def refuse():
+            raise EngineDeadError("the engine failed")
+
+        return refuse()
+
+
+def test_a_worker_whose_engine_failed_hands_its_requests_on():
+    failed, finishing = FailedEngineWorker("mixed-0"), FinishingWorker("mixed-1")
+    front = Frontend(FakeRouter([failed, finishing]), DeploymentConfig(disaggregated=False), "front-0")
+    assert _run(front) == ("abc", [11, 12, 13], "length")  # moved on mid-stream
+    assert [r.generated_token_ids for r in finishing.requests] == [[11]]
+    refusing, finishing = RefusingWorker("mixed-0"), FinishingWorker("mixed-1")
+    front = Frontend(FakeRouter([refusing, finishing]), DeploymentConfig(disaggregated=False), "front-0")
+    assert _run(front) == ("abc", [11, 12, 13], "length")  # retried before any output
+    assert front.num_retries == 1 and [r.generated_token_ids for r in finishing.requests] == [[]]
+
+
+def test_a_request_that_fails_on_its_worker_fails_alone_and_is_not_moved():
+    from kvray.router.frontend import RequestFailedError
+
+    class ErringWorker(FinishingWorker):
+        def _outputs(self, destination):
+            async def stream():
+                await self.started.wait()
+                yield _ready([Delta(self.requests[-1].request_id, [11], "a", None, "error", None)])
+                await asyncio.Event().wait()
+                yield  # never reached
+
+            return stream()
+
+    erring, other = ErringWorker("mixed-0"), FinishingWorker("mixed-1")
+    front = Frontend(FakeRouter([erring, other]), DeploymentConfig(disaggregated=False), "front-0")
+    with pytest.raises(RequestFailedError, match="failed on its worker"):
+        _run(front)
+    assert other.requests == [] and front.stats.snapshot()["count"].get("request_migrations", 0) == 0
+
+
+class SlowRouter(FakeRouter):
+    """A Router that does not answer its first `hangs` calls at all (down, restarting)."""
+
+    def __init__(self, workers, hangs: int):
+        super().__init__(workers)
+        self.hangs = hangs
+        self.calls = 0
+        self.route = _Method(self._slow_route)
+
+    def _slow_route(self, role, key=None, exclude=()):
+        self.calls += 1
+        if self.calls <= self.hangs:
+            return asyncio.Event().wait()  # never answers
+        return self._route(role, key, exclude)
+
+
+def test_a_router_that_does_not_answer_is_asked_again_until_the_deadline(monkeypatch):
+    """Each call to a Router that is down is given up after ROUTER_CALL_S and asked again;
+    a request whose Router never answers ends at its deadline with NoWorkerError (a 503)."""
+    from kvray.router import frontend
+    from kvray.router.router import NoWorkerError
+
+    monkeypatch.setattr(frontend, "ROUTER_CALL_S", 0.05)
+    monkeypatch.setattr(frontend, "ROUTER_WAIT_S", 0.5)
+    router = SlowRouter([FinishingWorker("mixed-0")], hangs=3)
+    front = Frontend(router, DeploymentConfig(disaggregated=False), "front-0")
+    assert _run(front) == ("abc", [11, 12, 13], "length")  # came back: the request ran
+    assert router.calls == 4
+    front = Frontend(
+        SlowRouter([FinishingWorker("m")], hangs=10**6), DeploymentConfig(disaggregated=False), "f"
+    )
+
+    async def go():
+        async for _ in front.generate("r0", [1, 2, 3], SamplingParams(max_tokens=3), timeout_s=2.0):
+            pass
+
+    with pytest.raises(NoWorkerError, match="did not answer"):
+        asyncio.run(go())
 
 
 class SilentWorker(DyingWorker):
@@ -206,10 +306,16 @@ def test_a_pd_request_waiting_for_a_decode_worker_counts_the_prompt_tokens_compu
 
 def test_http_errors_of_deadlines_and_missing_workers():
     from kvray.router.app import _api_error_of
-    from kvray.router.frontend import RequestTimeoutError
+    from kvray.router.frontend import RequestFailedError, RequestTimeoutError
     from kvray.router.router import NoWorkerError
 
-    late = _api_error_of(RequestTimeoutError("request r passed its deadline"))
+    late = _api_error_of(RequestTimeoutError("request r passed its deadline"), "cmpl-1")
     assert late.status == 408 and late.body()["error"]["type"] == "timeout_error"
-    none = _api_error_of(NoWorkerError("no live decode worker; none joined before the request's deadline"))
+    none = _api_error_of(
+        NoWorkerError("no live decode worker; none joined before the request's deadline"), "cmpl-1"
+    )
     assert none.status == 503 and int(none.headers["Retry-After"]) > 0
+    failed = _api_error_of(RequestFailedError("IndexError: index -100000 is out of bounds"), "cmpl-1")
+    body = failed.body()["error"]
+    assert failed.status == 500 and body["type"] == "internal_server_error"
+    assert "cmpl-1" in body["message"] and "IndexError" not in body["message"]  # the cause stays in the log

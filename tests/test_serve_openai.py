@@ -269,6 +269,8 @@ def test_full_queue_503_and_disconnects_free_every_block(server, http):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         err = _error(r, 503)
         assert err["code"] == "queue_full" and r.headers["retry-after"] == "1"
+        tokenize = http.post("/tokenize", json={"model": MODEL, "prompt": "Hi"})  # admitted as well
+        assert _error(tokenize, 503)["code"] == "queue_full"
         assert any(s.used_blocks > 0 for s in _worker_stats())
     finally:
         for c, r, _ in opened:  # clients leave mid-stream

@@ -192,7 +192,7 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_it(api):
                 "json_schema": {"name": "x", "schema": {"type": "objectx"}},
             },
         )
-    assert e.value.body["param"] == "structured_outputs.json"
+    assert e.value.body["param"] == "response_format.json"  # named as the client sent it
 
 
 def test_tokenize_detokenize_round_trip(http):  # noqa: F811
