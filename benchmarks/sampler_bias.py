@@ -42,7 +42,9 @@ def timed(fn, repeat: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--entries", type=int, default=300)
     parser.add_argument("--vocab", type=int, default=49152)

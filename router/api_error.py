@@ -39,5 +39,15 @@ class APIError(Exception):
         return cls(400, str(e), param=e.field, code="invalid_value")
 
 
+def internal_error(request_id: str) -> APIError:
+    """A 500 that names the request (its cause is in the server's log), never the cause."""
+    return APIError(
+        500,
+        f"the server failed to complete request {request_id}; its cause is in the server's log",
+        type="internal_server_error",
+        code="internal_error",
+    )
+
+
 def _rebuild_api_error(cls, status, message, type, param, code, headers) -> APIError:
     return cls(status, message, type=type, param=param, code=code, headers=headers)

@@ -22,7 +22,6 @@ app (another replica's latest requests a fraction of a second late).
 # No `from __future__ import annotations`: FastAPI must see real types on the (pickled) routes.
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import hmac
@@ -48,7 +47,7 @@ from kvray.configs import DeploymentConfig, ServeConfig
 from kvray.engine.sampling_params import sample_seed
 from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router import metrics
-from kvray.router.api_error import APIError
+from kvray.router.api_error import APIError, internal_error
 from kvray.router.autoscaling import publish_waiting
 from kvray.router.direct_http import DirectHTTP
 from kvray.router.frontend import Frontend, RequestFailedError, RequestTimeoutError
@@ -65,7 +64,7 @@ from kvray.router.protocol import (
 )
 from kvray.router.responses import ResponseBuilder, Usage
 from kvray.router.router_deployment import RouterDeployment
-from kvray.router.streams import all_or_none, merge, sse
+from kvray.router.streams import all_or_none, merge, sse, unless_disconnected
 from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
@@ -99,17 +98,7 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     """What nothing else caught: logged under an id the client is given, never its text."""
     error_id = f"err-{uuid.uuid4().hex[:12]}"
     logger.error("kvray ingress: %s %s failed (%s)", request.method, request.url.path, error_id, exc_info=e)
-    return JSONResponse(_internal(error_id).body(), status_code=500)
-
-
-def _internal(request_id: str) -> APIError:
-    """A 5xx body that names the request (its cause is in the server's log), never the cause."""
-    return APIError(
-        500,
-        f"the server failed to complete request {request_id}; its cause is in the server's log",
-        type="internal_server_error",
-        code="internal_error",
-    )
+    return JSONResponse(internal_error(error_id).body(), status_code=500)
 
 
 def load_config(config: ServeConfig | dict | str | Path) -> ServeConfig:
@@ -172,7 +161,7 @@ def _api_error_of(e: KvrayError, request_id: str) -> APIError:
     if isinstance(e, InvalidArgumentError):
         return APIError.invalid(e)
     if isinstance(e, RequestFailedError):  # something of its own failed on its worker (logged there)
-        return _internal(request_id)
+        return internal_error(request_id)
     if isinstance(e, RequestTimeoutError):  # Ray Serve's request_timeout_s answers 408 too
         return APIError(408, str(e), type="timeout_error", code="request_timeout")
     # no worker (none live, none joined in time), or its worker died past migration_limit
@@ -193,34 +182,6 @@ def _load_tokenizer(model: str):
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)
     return tokenizer, eos_token_ids(load_config(path), path, tokenizer)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (after its body was read, the ASGI server's next
-    message is the disconnect); never, where the server cannot say."""
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            await asyncio.sleep(0.05)  # (a server that repeats its messages: do not spin)
-    except Exception:  # noqa: BLE001 (no way to watch: never fire)
-        await asyncio.Event().wait()
-
-
-async def _unless_disconnected(request: Request, work):
-    """Await `work`, or cancel it when the client disconnects first (the requests it runs
-    are aborted on every worker they touched). None when the client has gone."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    finally:
-        task.cancel()
-        watch.cancel()
 
 
 def _any_waiting(waiting: dict[str, dict[str, float]]) -> bool:
@@ -395,7 +356,7 @@ class OpenAIIngress:
             gen = self._stream(body, chat)
             await anext(gen)  # validated and admitted: errors so far are still plain HTTP errors
             return StreamingResponse(sse(gen), media_type="text/event-stream")  # (it sees disconnects)
-        answer = await _unless_disconnected(request, self._complete(body, chat))
+        answer = await unless_disconnected(request, self._complete(body, chat))
         if answer is None:  # the client left: its requests were aborted; nobody reads this
             return Response(status_code=499)
         return JSONResponse(answer)
@@ -459,7 +420,7 @@ class OpenAIIngress:
                 raise
             except Exception as e:  # noqa: BLE001 (logged with the request's id; the client gets the id)
                 logger.error("kvray ingress: request %s failed", builder.request_id, exc_info=e)
-                raise _internal(builder.request_id) from None
+                raise internal_error(builder.request_id) from None
         usage = Usage(_num_prompt_tokens(jobs, req.n), sum(len(f.token_ids) for f in finals))
         return builder.body(dict(enumerate(finals)), usage)
 
@@ -485,7 +446,7 @@ class OpenAIIngress:
                 return
             except Exception as e:  # noqa: BLE001 (logged with the request's id; the client gets the id)
                 logger.error("kvray ingress: stream %s failed", builder.request_id, exc_info=e)
-                yield _internal(builder.request_id).body()
+                yield internal_error(builder.request_id).body()
                 return
             if req.include_usage:
                 done = sum(len(c.token_ids) for c in outs.values())

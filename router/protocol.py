@@ -40,6 +40,7 @@ UNSUPPORTED = {
 # fields OpenAI accepts that change nothing a server computes
 ACCEPTED_NO_OP = {"store", "metadata", "service_tier"}
 MAX_BODY_DEPTH = 100  # objects and arrays nested in a request body (a schema's own bound is lower)
+_SCALARS = {int, str, bool, type(None)}  # what cannot hold a non-finite number or nest
 
 
 class StreamOptions(BaseModel):
@@ -404,6 +405,8 @@ def check_body(body: dict) -> None:
             continue
         if depth >= MAX_BODY_DEPTH:
             raise _bad_field(path, f"nested deeper than {MAX_BODY_DEPTH} levels")
+        if isinstance(value, list) and set(map(type, value)) <= _SCALARS:
+            continue  # (token ids: a long list of ints, checked at C speed)
         children = value.items() if isinstance(value, dict) else enumerate(value)
         for key, child in children:
             if isinstance(child, dict | list | float):

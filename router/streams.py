@@ -1,9 +1,11 @@
-"""Async plumbing of the ingress: SSE framing, interleaving several output streams, and
-awaiting a batch of requests that all stop when one fails or the client goes away."""
+"""Async plumbing of the ingress: SSE framing, interleaving several output streams,
+awaiting a batch of requests that all stop when one fails or the client goes away, and
+watching a non-streaming client's connection."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -54,3 +56,31 @@ async def all_or_none(coroutines: list) -> list:
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _disconnected(request) -> None:
+    """Returns once the client has gone (after its body was read, the ASGI server's next
+    message is the disconnect); never, where the server cannot say."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # (a server that repeats its messages: do not spin)
+    except Exception:  # noqa: BLE001 (no way to watch: never fire)
+        await asyncio.Event().wait()
+
+
+async def unless_disconnected(request, work):
+    """Await `work`, or cancel it when the client disconnects first (the requests it runs
+    are aborted on every worker they touched). None when the client has gone."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    finally:
+        task.cancel()
+        watch.cancel()

@@ -228,19 +228,23 @@ def _metric(base: str, name: str, **labels) -> float:
     )
 
 
-def test_a_client_that_leaves_a_non_streaming_request_aborts_it(colo_server):
-    """Direct ingress (no proxy to notice): the ingress watches the connection itself."""
-    assert httpx.get(f"{colo_server}/metrics", timeout=30).status_code == 401  # metrics_need_api_key
+@pytest.mark.parametrize("app", ["pd", "colocated"])
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(apps, app):
+    """Through Serve's proxy (PD) and with direct ingress (colocated: no proxy to notice,
+    the ingress watches the connection itself)."""
+    base = apps[app]
+    if app == "colocated":
+        assert httpx.get(f"{base}/metrics", timeout=30).status_code == 401  # metrics_need_api_key
     name = "kvray:request_success_total"
-    aborted, finished = _metric(colo_server, name, finished_reason="abort"), _metric(colo_server, name)
+    aborted, finished = _metric(base, name, finished_reason="abort"), _metric(base, name)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{colo_server}/v1/completions", json=body, headers=HEADERS, timeout=2.0)
+        httpx.post(f"{base}/v1/completions", json=body, headers=HEADERS, timeout=2.0)
     deadline = time.monotonic() + 120
-    while _metric(colo_server, name) == finished:
+    while _metric(base, name) == finished:
         assert time.monotonic() < deadline, "the request never ended"
         time.sleep(0.5)
-    assert _metric(colo_server, name, finished_reason="abort") == aborted + 1
+    assert _metric(base, name, finished_reason="abort") == aborted + 1
 
 
 # ---- failures of the app's parts, on an app of its own ------------------------------------
