@@ -60,3 +60,9 @@ class EngineDeadError(KvrayError):
     """The engine can no longer serve: a step failed (the forward pass), its loop stopped
     on an error, or a step ran past `step_timeout_s`. Its requests are failed over (their
     fronts move them to other workers) and its worker fails its health check."""
+
+
+class RequestFailedError(KvrayError):
+    """Something of the request's own failed on its worker (its sampling, grammar or
+    detokenizing; the cause is in that worker's log, with the request id); the other
+    requests went on. It is not moved to another worker."""

@@ -18,6 +18,7 @@ from kvray.actors.messages import TRANSFER_BUCKETS, EngineRequest, PrefillResult
 from kvray.actors.signals import RecentMean
 from kvray.actors.worker import EngineWorker, Role
 from kvray.engine.kv_transfer import prefill_params
+from kvray.errors import RequestFailedError
 
 
 class PrefillWorker(EngineWorker):
@@ -44,6 +45,10 @@ class PrefillWorker(EngineWorker):
         try:
             async for out in stream:
                 final = out
+            if final.outputs[0].finish_reason == "error":  # its own rows failed (logged here)
+                raise RequestFailedError(
+                    f"request {rid} failed on its prefill worker (the cause is in its log)"
+                )
             if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
                 raise RuntimeError(f"prefill of {rid} was aborted")
             self.ttft.record(time.monotonic() - start)

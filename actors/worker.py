@@ -25,7 +25,7 @@ from typing import Literal
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError
 
 from kvray.actors.messages import TRANSFER_BUCKETS, Delta, EngineRequest, WorkerStats
 from kvray.actors.outbox import Outbox
@@ -277,7 +277,7 @@ async def _until_dead(front, outbox: Outbox, destination: str) -> None:
         await asyncio.sleep(FRONT_CHECK_S)
         try:
             await wait_for(front.__ray_ready__.remote(), FRONT_CHECK_S * 5)
-        except RayActorError:
+        except ActorDiedError:  # (not ActorUnavailableError: unreachable for now, maybe restarting)
             logger.warning("kvray worker: front %s is gone; aborting its requests here", destination)
             outbox.end(destination)
             return

@@ -275,9 +275,10 @@ class AsyncLLM:
             await self.call(self.engine.finish_kv_pull, request_id, ok)
 
     def _send(self, command: tuple) -> None:
-        if self.error is not None:
-            raise self.error
-        self._commands.put(command)
+        with self._dying:  # (so no command slips into the queue after `_die` emptied it)
+            if self.error is not None:
+                raise self.error
+            self._commands.put(command)
         self._wake.set()
 
     # ---- liveness -----------------------------------------------------------------------
@@ -316,24 +317,36 @@ class AsyncLLM:
                 else EngineDeadError(f"the engine failed: {cause!r}")
             )
             self.error = error
+            stranded = []  # commands that will never run
+            while True:
+                try:
+                    stranded.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
         logger.error("kvray engine: can no longer serve (%s)", error, exc_info=cause)
         if self._on_failure is not None:
             self._on_failure(error)
-        failed: dict[int, tuple[OutputSink, list[str]]] = {}
-        for rid, sink in list(self._streams.items()):
-            failed.setdefault(id(sink), (sink, []))[1].append(rid)
-        for sink, rids in failed.values():
-            sink.loop.call_soon_threadsafe(sink.fail, rids, error)
-        for rid in list(self._rooms):  # no blocks will come (the pins lapse)
-            _settle(self._rooms.pop(rid, Future()), None)
-        while True:  # commands that will never run: their callers get the error
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        self._fail_streams(error)
+        for command in stranded:  # their callers get the error
             for item in command:
                 if isinstance(item, Future):
                     _settle(item, error=error)
+
+    def _fail_streams(self, error: EngineDeadError) -> None:
+        """Fail every request's sink, each once (any thread: the loop thread may still be
+        finishing a slow step when the watchdog gives up on it; the loop sweeps again as it
+        ends, for a request it took in meanwhile)."""
+        failed: dict[int, tuple[OutputSink, list[str]]] = {}
+        for rid in list(self._streams):
+            sink = self._streams.pop(rid, None)
+            if sink is not None:
+                failed.setdefault(id(sink), (sink, []))[1].append(rid)
+        for sink, rids in failed.values():
+            sink.loop.call_soon_threadsafe(sink.fail, rids, error)
+        for rid in list(self._rooms):  # no blocks will come (the pins lapse)
+            room = self._rooms.pop(rid, None)
+            if room is not None:
+                _settle(room, None)
 
     def _run(self, config: EngineConfig, engine_kwargs: dict, built: Future) -> None:
         try:
@@ -371,8 +384,12 @@ class AsyncLLM:
             self._die(e)
         finally:
             self._busy_since = None
+            if self.error is not None:  # requests it took in while the watchdog gave up on it
+                self._fail_streams(self.error)
             for rid in list(self._rooms):  # stopped: no blocks will come (the pins lapse)
-                _settle(self._rooms.pop(rid), None)
+                room = self._rooms.pop(rid, None)
+                if room is not None:
+                    _settle(room, None)
             if trace is not None:
                 trace.close()
             if self.error is None:
@@ -455,7 +472,9 @@ class AsyncLLM:
         """Blocks freed since the last step go to the prefilled requests waiting to pull."""
         if self._rooms:
             for rid, blocks in self.engine.grant_pull_room():
-                self._give_room(rid, self._rooms.pop(rid), blocks)
+                room = self._rooms.pop(rid, None)
+                if room is not None:  # (None: the engine failed meanwhile, its waiters released)
+                    self._give_room(rid, room, blocks)
 
     def _give_room(self, rid: str, room: Future, blocks: list[int] | None) -> None:
         if not _settle(room, blocks) and blocks is not None:  # nobody left to pull into them
@@ -470,7 +489,7 @@ class AsyncLLM:
                 continue
             batches.setdefault(id(sink), (sink, []))[1].append(out)
             if out.finished:
-                del self._streams[out.request_id]
+                self._streams.pop(out.request_id, None)  # (the watchdog may have taken it)
         for sink, batch in batches.values():
             sink.loop.call_soon_threadsafe(sink.put_many, batch)
 

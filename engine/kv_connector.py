@@ -46,7 +46,7 @@ class PrefillHandoff:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         lease = self.leases.pop(request.request_id, None)
-        if lease is None or request.status is RequestStatus.FINISHED_ABORTED:
+        if lease is None or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             return False
         self.pins.add(
             request.request_id,

@@ -30,6 +30,7 @@ from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Scheduler
 from kvray.engine.spec_decode import SpecDecodeStats
 from kvray.engine.speculator import Speculator
+from kvray.engine.step_sampling import cause
 from kvray.errors import InvalidArgumentError
 from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 from kvray.models.parallel import ShardContext
@@ -262,13 +263,8 @@ class LLMEngine:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 stop = self.outputs.on_token(req, logprobs[req.request_id][j])
             except Exception as e:
-                failed[req.request_id] = f"{type(e).__name__}: {e}"
-                logger.error(
-                    "kvray engine: request %s failed after sampling: %s",
-                    req.request_id,
-                    failed[req.request_id],
-                )
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                failed[req.request_id] = cause(e)
+                self._fail_request(req, failed[req.request_id])
                 return
             if stop is not None and not req.finished:
                 req.stop_reason = stop
@@ -283,13 +279,24 @@ class LLMEngine:
                 self._forget(req.request_id)
             touched[self.outputs.parent_of(req.request_id)] = None
         for req in sched.requests:  # rows that failed in the runner: those requests end here
-            if req.request_id in failed and not req.finished:
-                logger.error("kvray engine: request %s failed: %s", req.request_id, failed[req.request_id])
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            if req.request_id in failed and req.status is not RequestStatus.FINISHED_ERROR:
+                self._fail_request(req, failed[req.request_id])
                 self._forget(req.request_id)
                 touched[self.outputs.parent_of(req.request_id)] = None
         outputs = (self.outputs.output(rid) for rid in touched)  # None: FINAL_ONLY, running
         return pending + [o for o in outputs if o is not None]
+
+    def _fail_request(self, req: Request, why: str) -> None:
+        """End one request alone as FINISHED_ERROR (something of its own failed in the
+        step; the cause logged with its id): its blocks are freed, a pin of them let go."""
+        logger.error("kvray engine: request %s failed: %s", req.request_id, why)
+        if req.group is not None:
+            req.group.prompt_done = True  # its siblings wait for its prompt no longer
+        if req.finished:  # a stop or its length had ended it this step: its blocks are back
+            req.status = RequestStatus.FINISHED_ERROR
+            self.handoff.release(req.request_id)  # (a prefill's pin of them, if any)
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
 
     def _forget(self, request_id: str) -> None:
         """Drop a finished request's per-request state in the runner (and the draft's)."""

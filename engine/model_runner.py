@@ -312,6 +312,8 @@ class ModelRunner:
             logits = self.model.compute_logits(picked)
         if spec.rank != spec.sampler_rank:
             return None
+        if logits.is_cuda:  # a fault of the forward pass surfaces here (asynchronous), as the
+            torch.cuda.synchronize(logits.device)  # step's failure, not inside the sampling's containment
         return sample_step(self.sampler, logits, plan.samples, plan.request_ids, plan.drafts, greedy)
 
     def _native_decode_step(self, plan: StepPlan) -> StepLogits | None:

@@ -12,6 +12,7 @@ step fails that request alone (engine/llm_engine.py).
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 
 from kvray.engine.sampling_params import SamplingParams
@@ -56,11 +57,9 @@ class RequestLimits:
                 f"<{len(prompt_ids)} tokens>",
                 f"at most {self.max_model_len - 1} tokens (max_model_len={self.max_model_len})",
             )
-        if (
-            not all(type(t) is int for t in prompt_ids)
-            or min(prompt_ids) < 0
-            or max(prompt_ids) >= self.vocab_size
-        ):
+        kinds = set(map(type, prompt_ids))  # (numpy's integers too; never bools or floats)
+        integers = all(issubclass(t, numbers.Integral) and t is not bool for t in kinds)
+        if not integers or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise InvalidArgumentError(field, "token ids", f"integer ids in [0, {self.vocab_size - 1}]")
 
     def check_params(self, params: SamplingParams) -> None:

@@ -137,6 +137,15 @@ class Sampler:
         masks = {i: m for i, r in enumerate(requests) if (m := getattr(r, "token_bitmask", None)) is not None}
         if masks:  # the grammar's mask last: nothing after it re-allows a token
             logits = apply_token_bitmask(logits, list(masks), list(masks.values()))
+        narrowed = [
+            i
+            for i, r in enumerate(requests)
+            if i in masks
+            or r.sampling_params.allowed_token_ids is not None
+            or getattr(r, "suppressed_token_ids", None)
+        ]
+        if narrowed:
+            _check_some_token_left(logits, narrowed, requests)
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[SampleRow]) -> torch.Tensor:
@@ -263,6 +272,17 @@ class Sampler:
             top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist()))
             out.append((float(lp), rank, top))
         return out
+
+
+def _check_some_token_left(logits: torch.Tensor, rows: list[int], requests: list[SampleRow]) -> None:
+    """A row whose allowed tokens, grammar and suppressed tokens leave it nothing to sample
+    (e.g. allowed_token_ids all stop tokens before min_tokens) raises, naming its request:
+    sampling it would return token 0 (the step's containment then ends that request alone)."""
+    best = logits[torch.tensor(rows, device=logits.device)].amax(dim=-1)
+    dead = (best == float("-inf")).nonzero().flatten().tolist()
+    if dead:
+        names = [requests[rows[i]].request_id for i in dead]
+        raise ValueError(f"no token is left to sample for {', '.join(names)}")
 
 
 def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

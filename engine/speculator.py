@@ -64,7 +64,7 @@ class Speculator:
         """After the step's tokens are appended: count drafts kept, and let the draft
         model's cache forget positions the target rolled back."""
         for req, drafts in zip(step.requests, step.draft_token_ids):
-            if drafts:
+            if drafts and req.request_id in sampled:  # (not one whose row failed: it has ended)
                 self.stats.record(len(drafts), len(sampled[req.request_id]) - 1)
             if self.drafter is not None:
                 self.drafter.settle(req)

@@ -63,10 +63,28 @@ def _target(compiler: str) -> Path:
     return _cache_dir() / f"kvray_cpu_{key.hexdigest()[:16]}.so"
 
 
-def trusted(path: Path) -> bool:
-    """Owned by this user and writable by no one else: a file fit to load as code."""
-    info = path.stat()
+def _own(info: os.stat_result) -> bool:
+    """This user's, and no one else may write it."""
     return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def trusted(path: Path) -> bool:
+    """A file fit to load as code: a regular file (not a link), this user's own and
+    writable by no one else, in a folder no one else may write to either."""
+    info = path.lstat()
+    return stat.S_ISREG(info.st_mode) and _own(info) and _own(path.parent.stat())
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """Load the library through a descriptor of the file checked (so it cannot be swapped
+    between the check and the load)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if not (_own(os.fstat(fd)) and _own(path.parent.stat())):
+            raise RuntimeError(f"{path} is not this user's own, or others may write it")
+        return ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
+    finally:
+        os.close(fd)
 
 
 def _compile(compiler: str, out: Path) -> None:
@@ -105,7 +123,7 @@ def library() -> ctypes.CDLL | None:
         logger.warning("kvray: no C compiler found; CPU decode attention runs on the pure-torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = _load(_build(compiler))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         logger.warning("kvray: native CPU kernels unavailable (%s); using the pure-torch path", e)
         return None

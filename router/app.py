@@ -45,12 +45,12 @@ from ray.serve.handle import DeploymentHandle
 
 from kvray.configs import DeploymentConfig, ServeConfig
 from kvray.engine.sampling_params import sample_seed
-from kvray.errors import InvalidArgumentError, KvrayError
+from kvray.errors import InvalidArgumentError, KvrayError, RequestFailedError
 from kvray.router import metrics
 from kvray.router.api_error import APIError, internal_error
 from kvray.router.autoscaling import publish_waiting
 from kvray.router.direct_http import DirectHTTP
-from kvray.router.frontend import Frontend, RequestFailedError, RequestTimeoutError
+from kvray.router.frontend import Frontend, RequestTimeoutError
 from kvray.router.ingest import Ingest
 from kvray.router.openapi import openapi_body, openapi_schemas
 from kvray.router.pools import pool_deployment
@@ -72,6 +72,7 @@ PRESETS = Path(__file__).resolve().parent.parent / "configs"
 METRICS_PUBLISH_S = 0.2  # an ingress replica publishes its request metrics this soon after a change
 WAITING_REFRESH_S = 2.0  # ... and its waiting requests again this often while any wait
 CONTROL_CALL_S = 5.0  # /health and /metrics answer 503 when the control plane takes longer
+INGEST_THREADS = 2  # per ingress replica: one long grammar compile does not hold up the rest
 
 app = FastAPI(title="kvray", description="OpenAI-compatible LLM serving on Ray")
 
@@ -199,9 +200,10 @@ class OpenAIIngress:
         self.tokenizer, eos = _load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
         parser = self.config.tool_call_parser
         self.ingest = Ingest(self.tokenizer, self.limits, self.config.model_name, parser, eos)
-        # templating, tokenizing and compiling grammars, one request at a time, off the event
-        # loop: a large body never stalls the streams this replica serves
-        self.ingest_thread = ThreadPoolExecutor(1, thread_name_prefix="kvray-ingest")
+        # templating, tokenizing and compiling grammars off the event loop: a large body
+        # never stalls the streams this replica serves
+        self.ingest_thread = ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="kvray-ingest")
+        self.num_ingesting = 0  # bodies handed to those threads, not yet back
         self.num_in_flight = 0
         self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
         deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
@@ -305,8 +307,15 @@ class OpenAIIngress:
         return ids, self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
     async def _off_loop(self, fn, *args):
-        """fn(*args) on the ingest thread (templating, tokenizing, compiling grammars)."""
-        return await asyncio.get_running_loop().run_in_executor(self.ingest_thread, fn, *args)
+        """fn(*args) on the ingest threads (templating, tokenizing, compiling grammars).
+        Bodies waiting for them count against `max_queued_requests` too (503 past it)."""
+        if self.num_ingesting >= self.config.max_queued_requests:
+            raise self._at_capacity()
+        self.num_ingesting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.ingest_thread, fn, *args)
+        finally:
+            self.num_ingesting -= 1
 
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> dict:
@@ -503,6 +512,15 @@ class OpenAIIngress:
             pass
         return final
 
+    def _at_capacity(self) -> APIError:
+        return APIError(
+            503,
+            "the server is at capacity; retry later",
+            type="server_overloaded",
+            code="queue_full",
+            headers={"Retry-After": str(self.config.retry_after_seconds)},
+        )
+
     @contextmanager
     def _admitted(self, num_choices: int):
         """Hold one of `max_queued_requests` slots per choice (prompts x n: each is an
@@ -516,13 +534,7 @@ class OpenAIIngress:
                 )
             )
         if self.num_in_flight + num_choices > limit:
-            raise APIError(
-                503,
-                "the server is at capacity; retry later",
-                type="server_overloaded",
-                code="queue_full",
-                headers={"Retry-After": str(self.config.retry_after_seconds)},
-            )
+            raise self._at_capacity()
         self.num_in_flight += num_choices
         try:
             yield

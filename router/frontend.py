@@ -31,7 +31,7 @@ from kvray.actors.worker import WorkerLeavingError
 from kvray.configs import DeploymentConfig
 from kvray.engine import CompletionOutput, SamplingParams
 from kvray.engine.sampling_params import RequestOutputKind
-from kvray.errors import EngineDeadError, KvrayError
+from kvray.errors import EngineDeadError, KvrayError, RequestFailedError
 from kvray.router.inbox import Gone, Inbox, join
 from kvray.router.metrics import RequestStats, RequestTimer
 from kvray.router.policy import prefix_key
@@ -49,11 +49,6 @@ RETRYABLE = (*DEAD, WorkerLeavingError, EngineDeadError)
 class RequestTimeoutError(KvrayError):
     """The request passed its deadline (`router.request_timeout_s` or its own) before it
     produced any output; it has been aborted on every worker."""
-
-
-class RequestFailedError(KvrayError):
-    """Something of the request's own failed on its worker (its sampling, grammar or
-    detokenizing; the cause is in that worker's log); the other requests went on."""
 
 
 class WorkerDiedError(KvrayError):

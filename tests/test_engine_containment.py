@@ -161,7 +161,7 @@ def test_a_request_that_breaks_inside_a_step_ends_alone(engine, undisturbed):
 
         return corrupt
 
-    choice = StructuredOutputsParams(choice=["a long answer here", "no"])
+    choice = StructuredOutputsParams(choice=["a long answer here", "another long answer"])  # many tokens
 
     async def poison():
         await asyncio.gather(
@@ -172,10 +172,14 @@ def test_a_request_that_breaks_inside_a_step_ends_alone(engine, undisturbed):
                 "bias", SamplingParams(max_tokens=8, temperature=0.7), set_params(logit_bias={10**9: 1.0})
             ),
             poison_one(
-                "mask", SamplingParams(max_tokens=8, structured_outputs=choice), break_grammar("mask")
+                "mask",
+                SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+                break_grammar("mask"),
             ),
             poison_one(
-                "accept", SamplingParams(max_tokens=8, structured_outputs=choice), break_grammar("accept")
+                "accept",
+                SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+                break_grammar("accept"),
             ),
         )
 
@@ -224,7 +228,7 @@ def test_a_failed_step_or_a_dead_loop_fails_the_engine_over(smollm2_path, where)
             if where == "step":
                 engine.runner.execute = broken  # the forward pass fails
             else:
-                engine.expire_kv_leases = broken  # the loop's own work, outside the step
+                engine.has_unfinished_requests = broken  # the loop's own work (step() never calls it)
 
         errors = _fail_streams(llm, break_it)
         assert all(isinstance(e, EngineDeadError) for e in errors), errors

@@ -130,7 +130,7 @@ def test_a_worker_whose_engine_failed_hands_its_requests_on():
 
 
 def test_a_request_that_fails_on_its_worker_fails_alone_and_is_not_moved():
-    from kvray.router.frontend import RequestFailedError
+    from kvray.errors import RequestFailedError
 
     class ErringWorker(FinishingWorker):
         def _outputs(self, destination):
@@ -305,8 +305,9 @@ def test_a_pd_request_waiting_for_a_decode_worker_counts_the_prompt_tokens_compu
 
 
 def test_http_errors_of_deadlines_and_missing_workers():
+    from kvray.errors import RequestFailedError
     from kvray.router.app import _api_error_of
-    from kvray.router.frontend import RequestFailedError, RequestTimeoutError
+    from kvray.router.frontend import RequestTimeoutError
     from kvray.router.router import NoWorkerError
 
     late = _api_error_of(RequestTimeoutError("request r passed its deadline"), "cmpl-1")

@@ -55,3 +55,19 @@ def test_a_library_another_user_owns_is_built_anew(compiler):
     assert not cpu_build.trusted(target)
     assert cpu_build._build(cc) == target
     assert target.stat().st_uid == os.getuid() and target.read_bytes() == b"built by this user"
+
+
+def test_a_link_or_a_folder_others_may_write_is_never_trusted(compiler, tmp_path):
+    cc, built = compiler
+    target = cpu_build._target(cc)
+    target.parent.mkdir(parents=True)
+    own = tmp_path / "own.so"
+    own.write_bytes(b"a file of this user's")
+    os.chmod(own, 0o755)
+    target.symlink_to(own)  # a link, even to a file of this user's: built anew over
+    assert not cpu_build.trusted(target)
+    assert cpu_build._build(cc) == target and not target.is_symlink() and len(built) == 1
+    os.chmod(target.parent, 0o777)  # others may swap files in the folder
+    assert not cpu_build.trusted(target)
+    with pytest.raises(RuntimeError, match="others may write"):
+        cpu_build._build(cc)

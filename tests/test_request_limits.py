@@ -145,9 +145,10 @@ def test_bias_allowed_and_suppressed_tokens_match_a_row_by_row_reference():
     want[2, [0, 5]] = -math.inf
     want[3, 4] += 1.0
     want[3, [0, 1, 2, 3, 5, 6, 7, 8]] = -math.inf
+    before = logits.clone()
     got = Sampler(10).process(logits, rows)
     assert torch.equal(got, want)
-    assert torch.equal(logits, logits.clone())  # the input is left alone (a copy where it changes)
+    assert torch.equal(logits, before)  # the input is left alone (a copy where it changes)
     assert Sampler(10)(logits, rows).token_ids == want.argmax(-1).tolist()
 
 
@@ -165,6 +166,31 @@ def test_a_batch_that_fails_is_redone_drawing_the_same_numbers():
     sampler(logits, [row])  # a pass whose result is thrown away (as if it had failed)
     sampler.restore_generators(saved)
     assert sampler(logits, [row]).token_ids == want
+
+
+def test_a_row_left_with_no_token_fails_instead_of_sampling_token_0():
+    row = _row("a", allowed_token_ids=[5], stop_token_ids=[5])
+    row.suppressed_token_ids = [5]  # its only allowed token is a stop token before min_tokens
+    with pytest.raises(ValueError, match="no token is left to sample for a"):
+        Sampler(10).process(torch.randn(1, 10), [row])
+
+
+def test_a_step_whose_batch_fails_gives_the_others_the_tokens_of_a_clean_run():
+    """sample_step: one row breaks the batched pass (a bias past the vocabulary, set after
+    intake); it alone gets an error, and a seeded row beside it draws what it draws alone
+    (its generator put back, or dropped when the failed pass had made it)."""
+    from kvray.engine.step_sampling import sample_step
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
+    seeded = SampleRow("s", SamplingParams(temperature=1.0, seed=3), 0, 0, [], [])
+    broken = SampleRow("b", SamplingParams(temperature=0.5), 0, 0, [], [])
+    broken.sampling_params.logit_bias = {10**9: 1.0}
+    clean, dirty = Sampler(50), Sampler(50)
+    for _ in range(3):  # the first pass makes the seeded generator; the later ones restore it
+        want = sample_step(clean, logits[:1], [seeded], ["s"], None)
+        got = sample_step(dirty, logits, [seeded, broken], ["s", "b"], None)
+        assert got.token_ids[0] == want.token_ids[0] and got.token_ids[1] == []
+        assert list(got.errors) == ["b"] and "IndexError" in got.errors["b"]
 
 
 # ---- the request body -------------------------------------------------------------------
