@@ -271,3 +271,36 @@ def test_a_step_that_hangs_past_the_timeout_fails_the_engine_over(smollm2_path):
     finally:
         release.set()
         llm.shutdown()
+
+
+def test_a_row_failing_beside_speculative_drafts_ends_alone(smollm2_path):
+    """With ngram speculation the others' drafts are verified as usual (greedy: exactly
+    plain decoding's tokens) while the broken request ends with "error"."""
+    from kvray.engine import LLMEngine
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    engine = LLMEngine(_config(smollm2_path, speculative_config=spec))
+    prompts = ["one two three four, one two three four, one two three", "a b c d e a b c d e a b c"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(poison: bool) -> dict:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{poison}-{i}", p, greedy)
+        if poison:  # broken once it decodes with drafts: its failing step verifies drafts
+            engine.add_request("poison", prompts[0], SamplingParams(temperature=0.0, max_tokens=24))
+        finals = {}
+        while engine.has_unfinished_requests():
+            req = engine.scheduler.requests.get("poison")
+            if req is not None and req.num_output_tokens >= 4:
+                req.sampling_params.logit_bias = {10**9: 1.0}
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id.split("-")[-1]] = out.outputs[0]
+        return {k: (v.token_ids, v.finish_reason) for k, v in finals.items()}
+
+    clean = run(False)
+    disturbed = run(True)
+    assert disturbed.pop("poison")[1] == "error"
+    assert disturbed == clean
+    assert engine.spec_stats.num_drafts > 0  # drafts were verified meanwhile
+    assert engine.kv_cache_stats().used_blocks == 0
