@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvray-installed
 
-.PHONY: install test test-fast generate serve bench lint clean
+.PHONY: install test test-fast test-nodes test-ray-up generate serve bench lint clean
 
 install: $(STAMP)
 
@@ -26,6 +26,14 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# several Ray nodes in network namespaces (root): node and network faults under load
+test-nodes: install
+	$(PY) -m pytest -q tests/test_nodes.py
+
+# Ray's cluster launcher over SSH into namespace nodes (root; installs openssh-server and rsync)
+test-ray-up: install
+	$(PY) -m pytest -q tests/test_ray_up_ssh.py
 
 generate: install
 	$(VENV)/bin/kvray generate

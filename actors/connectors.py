@@ -179,25 +179,47 @@ class TorchDistConnector(KVConnector):
         self.stores: dict[str, object] = {}  # kept alive: the pair's rendezvous
         # a pull uses tags tag .. tag + chunks; gloo tags must stay below 2**31
         self.tags = itertools.cycle(range(1, 2**31 - TAGS_PER_PULL, TAGS_PER_PULL))
-        self.lock = asyncio.Lock()
+        self.building: dict[str, asyncio.Future] = {}  # peer id -> its pair, being built
+        self.failed: dict[str, tuple[float, str]] = {}  # peer id -> (no new try before, why)
         # One transfer at a time per pair: the prefill side serves a pair's pulls in order
         # anyway, and NCCL matches messages by order, not by tag.
         self.pair_locks: dict[str, asyncio.Lock] = {}
 
     async def group(self, peer_id: str, peer) -> PairGroups:
-        """The pair with `peer`, built on first use (this side hosts the store)."""
-        async with self.lock:
-            if peer_id not in self.groups:
-                timeout = self.config.pull_timeout_seconds
-                store = host_store(self.host, timeout)
-                key = f"kvray/{self.worker_id}/{peer_id}"
-                joined = peer.join_pair.remote(self.worker_id, self.host, store.port, key, self.backend)
-                self.groups[peer_id] = await asyncio.to_thread(
-                    join_pair_groups, store, self.host, store.port, 0, key, self.backend, timeout
-                )
-                self.stores[peer_id] = store
-                await joined
+        """The pair with `peer`, built on first use (this side hosts the store). Pulls that
+        come while it is built wait for that one build; after a build failed (a peer that
+        cannot be reached), pulls from that peer fail at once, and so recompute, for one
+        pull timeout before it is tried again: no pull queues behind builds that time out."""
+        if peer_id in self.groups:
             return self.groups[peer_id]
+        retry_at, why = self.failed.get(peer_id, (0.0, ""))
+        if time.monotonic() < retry_at:
+            raise KVPullError(
+                f"no pair with {peer_id} (tried again in {retry_at - time.monotonic():.0f} s): {why}"
+            )
+        build = self.building.get(peer_id)
+        if build is None:
+            build = self.building[peer_id] = asyncio.ensure_future(self._build(peer_id, peer))
+        return await asyncio.shield(build)  # a cancelled pull leaves the build to the others
+
+    async def _build(self, peer_id: str, peer) -> PairGroups:
+        timeout = self.config.pull_timeout_seconds
+        try:
+            store = host_store(self.host, timeout)
+            key = f"kvray/{self.worker_id}/{peer_id}"
+            joined = peer.join_pair.remote(self.worker_id, self.host, store.port, key, self.backend)
+            groups = await asyncio.to_thread(
+                join_pair_groups, store, self.host, store.port, 0, key, self.backend, timeout
+            )
+            await wait_for(joined, timeout)
+        except Exception as e:
+            self.failed[peer_id] = (time.monotonic() + timeout, repr(e))
+            raise
+        finally:
+            self.building.pop(peer_id, None)
+        self.failed.pop(peer_id, None)
+        self.groups[peer_id], self.stores[peer_id] = groups, store
+        return groups
 
     async def pull(self, ticket, prefill, kv_cache, dst_blocks):
         """Ask on the control group, then receive on the data group: the sender answers

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
+from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.configs import KVTransferConfig
 from kvray.engine import EngineConfig
 from kvray.engine.kv_transfer import KVLayout, KVPiece, kv_layout_of
@@ -108,6 +109,7 @@ class ShardWorker:
         config = EngineConfig(**engine_config)
         torch.manual_seed(config.seed)
         spec = ShardSpec(config.tensor_parallel_size, config.pipeline_parallel_size, rank)
+        bind_collectives_to(node_ip())  # a shard on another node than its driver (tp/pp across nodes)
         shard = init_shard_context(spec, host, port, device_backend(config))
         path = resolve_model_path(config.model)
         hf_config = load_config(path)
@@ -196,18 +198,3 @@ async def pull_pieces(
         if isinstance(r, BaseException):
             raise r if isinstance(r, KVPullError) else KVPullError(f"piece failed: {r!r}")
     return sum(results)
-
-
-def node_ip() -> str:
-    """The address peers reach this node at: KVRAY_HOST if set, else Ray's. Never a guess:
-    a loopback address on a multi-node cluster would make every pull fail silently."""
-    host = os.environ.get("KVRAY_HOST")
-    if host:
-        return host
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception as e:
-        raise RuntimeError(
-            f"cannot tell this node's IP address ({e!r}); set KVRAY_HOST to the address "
-            "the other nodes reach it at"
-        ) from e

@@ -28,8 +28,9 @@ import torch
 from ray.exceptions import ActorDiedError
 
 from kvray.actors.messages import TRANSFER_BUCKETS, Delta, EngineRequest, WorkerStats
+from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.actors.outbox import Outbox
-from kvray.actors.shard_group import node_ip, start_shards
+from kvray.actors.shard_group import start_shards
 from kvray.actors.signals import engine_load
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
@@ -74,6 +75,7 @@ class EngineWorker:
         self.kv_config = KVTransferConfig(**(kv_config or {}))
         config = EngineConfig(**engine_config)
         self.host = node_ip()
+        bind_collectives_to(self.host)  # KV pairs and shard groups: never loopback by accident
         self.shards: list = []  # ranks 1.. of this worker's group
         shard = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:

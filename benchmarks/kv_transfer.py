@@ -140,7 +140,10 @@ def _raw_send_seconds(src, dst, nbytes: int, reps: int) -> float:
     return statistics.median(d - s for s, d in list(zip(starts, done))[1:])
 
 
-def latency_table(num_requests: int) -> list[str]:
+def latency_table(num_requests: int, pd: dict | None = None, mixed: dict | None = None) -> list[str]:
+    """`pd` ({"prefill": resources, "decode": resources}) and `mixed` (resources): custom
+    Ray resources that place the workers (benchmarks/kv_transfer_nodes.py: on given nodes)."""
+    pd = pd or {}
     from transformers import AutoTokenizer
 
     from kvray.models.loader import resolve_model_path
@@ -165,11 +168,14 @@ def latency_table(num_requests: int) -> list[str]:
             "disaggregated 1P+1D, torch_dist",
             {
                 "disaggregated": True,
-                "prefill": {"num_cpus": 1, "torch_threads": 1},
-                "decode": {"num_cpus": 1, "torch_threads": 1},
+                "prefill": {"num_cpus": 1, "torch_threads": 1, "resources": pd.get("prefill", {})},
+                "decode": {"num_cpus": 1, "torch_threads": 1, "resources": pd.get("decode", {})},
             },
         ),
-        ("colocated, 1 mixed worker", {"disaggregated": False, "mixed": {"num_cpus": 2, "torch_threads": 2}}),
+        (
+            "colocated, 1 mixed worker",
+            {"disaggregated": False, "mixed": {"num_cpus": 2, "torch_threads": 2, "resources": mixed or {}}},
+        ),
     ):
         cluster = launch({"engine": engine, **deployment})
         try:

@@ -1,4 +1,4 @@
-"""The `kvray` command line: generate, serve, deploy, bench."""
+"""The `kvray` command line: generate, serve, deploy, bench, sim, cluster."""
 
 from __future__ import annotations
 
@@ -145,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=_bench)
 
+    from kvray.cluster.netns_cli import add_parser as add_cluster_parser
     from kvray.sim.cli import add_parser as add_sim_parser
 
     add_sim_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 

@@ -119,7 +119,7 @@ def test_a_pulled_prompt_is_not_a_prefix_cache_query_on_the_decode_side():
 def test_node_ip_raises_instead_of_guessing_loopback(monkeypatch):
     import ray
 
-    from kvray.actors import shard_group
+    from kvray.actors import net
 
     def broken():
         raise RuntimeError("no network")
@@ -127,9 +127,9 @@ def test_node_ip_raises_instead_of_guessing_loopback(monkeypatch):
     monkeypatch.setattr(ray.util, "get_node_ip_address", broken)
     monkeypatch.delenv("KVRAY_HOST", raising=False)
     with pytest.raises(RuntimeError, match="KVRAY_HOST"):
-        shard_group.node_ip()
+        net.node_ip()
     monkeypatch.setenv("KVRAY_HOST", "10.0.0.7")
-    assert shard_group.node_ip() == "10.0.0.7"
+    assert net.node_ip() == "10.0.0.7"
 
 
 def test_a_pull_whose_sender_never_answers_gives_up_at_the_pull_timeout():

@@ -1,0 +1,76 @@
+"""The interface a worker's process groups bind to is the one that holds its node's IP."""
+
+import socket
+
+import psutil
+
+from kvray.actors import net
+
+
+def test_the_interface_of_a_local_address_is_found_and_named_for_gloo_and_nccl(monkeypatch):
+    loopback = next(
+        name
+        for name, addrs in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)
+    )
+    assert net.interface_of("127.0.0.1") == loopback
+    for var in net.SOCKET_IFNAME_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert net.bind_collectives_to("127.0.0.1") == loopback
+    assert [net.os.environ[v] for v in net.SOCKET_IFNAME_VARS] == [loopback, loopback]
+
+
+def test_a_users_choice_is_kept_and_a_foreign_address_changes_nothing(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    net.bind_collectives_to("127.0.0.1")
+    assert net.os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    assert net.interface_of("192.0.2.1") is None  # TEST-NET-1: never a local address
+    assert net.bind_collectives_to("192.0.2.1") is None
+    assert "NCCL_SOCKET_IFNAME" not in net.os.environ
+    assert net.interface_of("not an address") is None
+
+
+def test_pulls_from_a_peer_that_cannot_be_reached_share_one_build_then_fail_at_once(monkeypatch):
+    """A pair whose peer never joins (another node it cannot reach): the pulls that came
+    while it was built fail together after one pull timeout, and the next ones fail at
+    once (they recompute) instead of each waiting for a build of its own."""
+    import asyncio
+
+    import pytest
+
+    from kvray.actors import connectors
+    from kvray.actors.connectors import KVPullError, TorchDistConnector
+    from kvray.configs import KVTransferConfig
+
+    builds = []
+    real_host_store = connectors.host_store
+    monkeypatch.setattr(connectors, "host_store", lambda *a: builds.append(a) or real_host_store(*a))
+
+    class Unreachable:  # its join never arrives
+        class join_pair:  # noqa: N801 (the shape of a Ray actor method)
+            @staticmethod
+            def remote(*args):
+                return asyncio.get_running_loop().create_future()
+
+    connector = TorchDistConnector(
+        "decode-0", KVTransferConfig(pull_timeout_seconds=1.0), "127.0.0.1", "gloo"
+    )
+
+    async def scenario():
+        first = await asyncio.gather(
+            *(connector.group("prefill-0", Unreachable()) for _ in range(4)), return_exceptions=True
+        )
+        assert all(isinstance(r, Exception) for r in first)
+        assert len(builds) == 1  # one build for the four pulls, not one each in turn
+        with pytest.raises(KVPullError, match="no pair with prefill-0"):
+            await connector.group("prefill-0", Unreachable())
+        assert len(builds) == 1  # failed at once, no new build within the pull timeout
+        connector.failed["prefill-0"] = (0.0, "long ago")  # the timeout has passed
+        with pytest.raises(RuntimeError):  # gloo's own error, from a new build
+            await connector.group("prefill-0", Unreachable())
+        assert len(builds) == 2
+
+    asyncio.run(scenario())
+    assert connector.building == {} and connector.groups == {}
