@@ -24,6 +24,7 @@ import ray
 import torch
 
 from kvray.actors.connectors import CONNECTORS, KVSource
+from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.cluster.local import ensure_ray, launch
 from kvray.configs import KVTransferConfig
 from kvray.engine import SamplingParams
@@ -46,7 +47,8 @@ class KVPeer:
         self.pins = PinTable()
         self.source = KVSource(self.pins, self.cache, torch.device("cpu"), layout)
         config = KVTransferConfig(pull_timeout_seconds=120)
-        host = ray.util.get_node_ip_address()
+        host = node_ip()
+        bind_collectives_to(host)  # as a worker does: gloo on the interface of the node's IP
         self.connectors = {name: cls(peer_id, config, host, "gloo") for name, cls in CONNECTORS.items()}
         self.layout = layout
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -74,7 +73,7 @@ def driver(args: argparse.Namespace) -> None:
     import ray
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kv_transfer import KVPeer, latency_table
+    from kv_transfer import KVPeer, _raw_send_seconds, latency_table
 
     from kvray.engine.kv_transfer import KVLayout
 
@@ -86,7 +85,8 @@ def driver(args: argparse.Namespace) -> None:
     for n in SIZES_BLOCKS:
         ticket = ray.get(src.pin.remote(f"r{n}", list(range(1, 2 * n, 2))))
         times = ray.get(dst.pull.remote("torch_dist", ticket, src, list(range(n)), args.reps))
-        pulls[n] = (layout.packed_bytes(n), statistics.median(times))
+        raw = _raw_send_seconds(src, dst, layout.packed_bytes(n), args.reps)  # one gloo send, same pair
+        pulls[n] = (layout.packed_bytes(n), statistics.median(times), raw)
     ray.kill(src)
     ray.kill(dst)
     rows = []
@@ -110,9 +110,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.driver:
         return driver(args)
-    flags = sorted(set(open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()))
-    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"{' '.join(f for f in flags if f.startswith(('avx512', 'amx', 'avx2')))}")  # fmt: skip
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from serve_harness import cpu_banner
+
+    print(cpu_banner())
     for rate in args.rates:
         cluster = NamespaceCluster(
             f"kvb{uuid.uuid4().hex[:5]}",
@@ -129,12 +130,12 @@ def main() -> None:
             out = cluster.run(0, me, timeout=1800).stdout
             result = json.loads(out.split("RESULT ", 1)[1])
             print(f"\nlink: {rate} each way (tbf), node 1 -> node 2\n")
-            print("| MB | torch_dist pull (MB/s) | TCP stream (MB/s) | pull / TCP |")
-            print("|---|---|---|---|")
-            for _, (nbytes, pull_s) in sorted(result["pulls"].items(), key=lambda kv: int(kv[0])):
+            print("| MB | torch_dist pull (MB/s) | one gloo send (MB/s) | TCP stream (MB/s) | pull / TCP |")
+            print("|---|---|---|---|---|")
+            for _, (nbytes, pull_s, gloo_s) in sorted(result["pulls"].items(), key=lambda kv: int(kv[0])):
                 raw_s = tcp_seconds(cluster, nbytes, args.reps)
-                print(f"| {nbytes / 1e6:.1f} | {nbytes / pull_s / 1e6:.0f} | {nbytes / raw_s / 1e6:.0f} | "
-                      f"{100 * raw_s / pull_s:.0f} % |")  # fmt: skip
+                print(f"| {nbytes / 1e6:.1f} | {nbytes / pull_s / 1e6:.0f} | {nbytes / gloo_s / 1e6:.0f} | "
+                      f"{nbytes / raw_s / 1e6:.0f} | {100 * raw_s / pull_s:.0f} % |")  # fmt: skip
             if result["latency"]:
                 print()
                 print("\n".join(result["latency"]))

@@ -13,6 +13,8 @@ both pools are back to one worker.
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 import urllib.request
 import uuid
@@ -57,7 +59,7 @@ def nodes(engine_args, tmp_path_factory):
         f"kvt{uuid.uuid4().hex[:5]}",
         nodes=3,
         subnet=f"10.214.{uuid.uuid4().int % 200 + 20}",
-        resources=[{}, {"kvray_prefill": 1}, {"kvray_decode": 1}],
+        resources=[{}, {"kvray_prefill": 1, "kvray_shard": 1}, {"kvray_decode": 1, "kvray_shard": 1}],
         rate="1gbit",
         # Ray's GCS fault tolerance: the head's GCS keeps its state in Redis on the head
         head_env={"RAY_REDIS_ADDRESS": f"{{head}}:{REDIS_PORT}"},
@@ -222,3 +224,35 @@ def test_streams_finish_across_a_restart_of_the_heads_gcs(nodes, offline):
     assert nodes.process(HEAD, "gcs_server") is not None, nodes.log_tail(HEAD, "gcs_server.out")
     _settled(nodes)
     assert _under_fault(nodes, lambda: None, lambda: None) == offline  # and new requests are served
+
+
+PIPELINE_DRIVER = """
+import json, sys
+import ray
+from ray.util.placement_group import placement_group_table
+from kvray.cluster.local import launch
+from kvray.engine import SamplingParams
+
+engine, prompts, max_tokens = json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+ray.init(address=sys.argv[1])
+# one bundle per stage, each needing `kvray_shard`, which nodes 1 and 2 offer once each
+pool = {"num_workers": 1, "num_cpus": 0.25, "torch_threads": 1, "resources": {"kvray_shard": 1}}
+cluster = launch({"engine": {**engine, "pipeline_parallel_size": 2}, "disaggregated": False, "mixed": pool})
+((_, _, pg),) = cluster.workers.values()
+nodes = set(placement_group_table(pg)["bundles_to_node_id"].values())
+params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+texts = [cluster.complete(p, params).outputs[0].text for p in prompts]
+cluster.shutdown()
+print("RESULT " + json.dumps({"nodes": len(nodes), "texts": texts}))
+"""
+
+
+def test_a_pipeline_parallel_worker_whose_stages_are_on_two_nodes(nodes, offline, engine_args):
+    """A pp=2 worker (local launch, no Serve) whose two stages sit on nodes 1 and 2: its
+    process group and the hidden states between stages cross the link; the tokens are the
+    offline engine's (a pipeline splits layers, not sums)."""
+    argv = [sys.executable, "-c", PIPELINE_DRIVER, nodes.head_address, json.dumps(engine_args)]
+    out = nodes.run(HEAD, [*argv, json.dumps(PROMPTS), str(MAX_TOKENS)], timeout=600).stdout
+    result = json.loads(out.split("RESULT ", 1)[1])
+    assert result["nodes"] == 2
+    assert result["texts"] == offline
