@@ -38,6 +38,7 @@ from kvray.errors import InvalidArgumentError
 
 RAY_PORT = 6379
 CLONE_NEWNET = 0x40000000
+NODE_UNSET = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "KVRAY_HOST", "RAY_ADDRESS")
 SSH_OPTIONS = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
                "-o", "ConnectTimeout=2", "-o", "LogLevel=ERROR"]  # fmt: skip
 STATE_ROOT = Path("/tmp")  # where a cluster's temp dirs and its state file live
@@ -236,7 +237,9 @@ class NamespaceCluster:
     def popen(self, node: int, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
         """Start `argv` inside the node's namespace (the environment: ours, then Ray's
         settings, then `env`)."""
-        full_env = {**os.environ, **RAY_ENV, **self.env, **(env or {})}
+        # a node is another machine: this one's choice of interface for gloo/NCCL is not its
+        host = {k: v for k, v in os.environ.items() if k not in NODE_UNSET}
+        full_env = {**host, **RAY_ENV, **self.env, **(env or {})}
         return subprocess.Popen(["ip", "netns", "exec", self.ns(node), *argv], env=full_env, **kwargs)
 
     def run(self, node: int, argv: list[str], env: dict | None = None, timeout: float | None = None,

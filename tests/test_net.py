@@ -6,6 +6,16 @@ import psutil
 
 from kvray.actors import net
 
+ORIGINALLY_SET = {v for v in net.SOCKET_IFNAME_VARS if v in net.os.environ}
+
+
+def _unset_restored(monkeypatch, *names: str) -> None:
+    """Unset `names` for this test; whatever the test sets them to is undone after it
+    (a bare delenv of a variable that is not set records nothing to restore)."""
+    for name in names:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
 
 def test_the_interface_of_a_local_address_is_found_and_named_for_gloo_and_nccl(monkeypatch):
     loopback = next(
@@ -14,22 +24,27 @@ def test_the_interface_of_a_local_address_is_found_and_named_for_gloo_and_nccl(m
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)
     )
     assert net.interface_of("127.0.0.1") == loopback
-    for var in net.SOCKET_IFNAME_VARS:
-        monkeypatch.delenv(var, raising=False)
+    _unset_restored(monkeypatch, *net.SOCKET_IFNAME_VARS)
     assert net.bind_collectives_to("127.0.0.1") == loopback
     assert [net.os.environ[v] for v in net.SOCKET_IFNAME_VARS] == [loopback, loopback]
 
 
 def test_a_users_choice_is_kept_and_a_foreign_address_changes_nothing(monkeypatch):
+    _unset_restored(monkeypatch, "NCCL_SOCKET_IFNAME")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     net.bind_collectives_to("127.0.0.1")
     assert net.os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
     assert net.interface_of("192.0.2.1") is None  # TEST-NET-1: never a local address
     assert net.bind_collectives_to("192.0.2.1") is None
     assert "NCCL_SOCKET_IFNAME" not in net.os.environ
     assert net.interface_of("not an address") is None
+
+
+def test_the_tests_leave_no_interface_choice_behind():
+    """Every process a later test starts inherits this one's environment (a leaked
+    GLOO_SOCKET_IFNAME=lo once made the namespace nodes' groups bind loopback)."""
+    assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} & set(net.os.environ) - ORIGINALLY_SET
 
 
 def test_pulls_from_a_peer_that_cannot_be_reached_share_one_build_then_fail_at_once(monkeypatch):
@@ -74,3 +89,40 @@ def test_pulls_from_a_peer_that_cannot_be_reached_share_one_build_then_fail_at_o
 
     asyncio.run(scenario())
     assert connector.building == {} and connector.groups == {}
+
+
+def test_the_namespace_harness_reads_tc_rates_and_refuses_bad_names_and_rates():
+    import pytest
+
+    from kvray.cluster.netns import NamespaceCluster, parse_rate
+    from kvray.errors import InvalidArgumentError
+
+    assert [parse_rate(r) for r in ("100mbit", "1gbit", "10Gbit", "1.5gbit", "500kbit")] == [
+        100_000_000, 1_000_000_000, 10_000_000_000, 1_500_000_000, 500_000,
+    ]  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="rate"):
+        parse_rate("fast")
+    with pytest.raises(InvalidArgumentError, match="name"):
+        NamespaceCluster("a name too long")
+    with pytest.raises(InvalidArgumentError, match="nodes"):
+        NamespaceCluster("ok", nodes=0)
+    cluster = NamespaceCluster("kv", nodes=3, subnet="10.9.8")
+    assert [cluster.ip(n) for n in range(3)] == ["10.9.8.10", "10.9.8.11", "10.9.8.12"]
+    assert (cluster.ns(2), cluster.bridge_ns, cluster.head_address) == ("kv-2", "kv-br", "10.9.8.10:6379")
+
+
+def test_the_ray_up_template_is_filled_for_the_cluster():
+    import yaml
+
+    from kvray.cluster.netns import ray_up_config
+
+    config = yaml.safe_load(ray_up_config("kvx", "10.9.8.10", ["10.9.8.11", "10.9.8.12"], "/k/id", "p-1"))
+    assert config["cluster_name"] == "kvx"
+    assert config["provider"] == {
+        "type": "local",
+        "head_ip": "10.9.8.10",
+        "worker_ips": ["10.9.8.11", "10.9.8.12"],
+    }
+    assert config["auth"] == {"ssh_user": "root", "ssh_private_key": "/k/id"}
+    assert "--config p-1 --host 10.9.8.10" in " ".join(config["head_start_ray_commands"])
+    assert "<" not in yaml.safe_dump(config)  # no placeholder left
