@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvray.cluster.local import QUIET_LOCAL_RAY
 from kvray.errors import InvalidArgumentError
 
 RAY_PORT = 6379
@@ -42,17 +43,9 @@ NODE_UNSET = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "KVRAY_HOST", "RAY_ADD
 SSH_OPTIONS = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
                "-o", "ConnectTimeout=2", "-o", "LogLevel=ERROR"]  # fmt: skip
 STATE_ROOT = Path("/tmp")  # where a cluster's temp dirs and its state file live
-# Ray's background work turned down as `kvray serve` does for its local Ray (cluster/local.py)
-RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
-    "RAY_task_events_report_interval_ms": "0",
-    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
-    "LOG_NAME_UPDATE_INTERVAL_S": "2",
-    "REPORTER_UPDATE_INTERVAL_MS": "15000",
-}
+# every node's Ray: no token auth or usage stats on this private cluster, its background
+# work turned down as `kvray serve` does for its local Ray
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **QUIET_LOCAL_RAY}
 
 
 class NetnsError(RuntimeError):
