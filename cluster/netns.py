@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -40,8 +39,6 @@ from kvray.errors import InvalidArgumentError
 RAY_PORT = 6379
 CLONE_NEWNET = 0x40000000
 NODE_UNSET = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "KVRAY_HOST", "RAY_ADDRESS")
-SSH_OPTIONS = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
-               "-o", "ConnectTimeout=2", "-o", "LogLevel=ERROR"]  # fmt: skip
 STATE_ROOT = Path("/tmp")  # where a cluster's temp dirs and its state file live
 # every node's Ray: no token auth or usage stats on this private cluster, its background
 # work turned down as `kvray serve` does for its local Ray
@@ -89,7 +86,6 @@ class NamespaceCluster:
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every Ray process
     head_args: list[str] = field(default_factory=list)  # extra `ray start --head` arguments
     head_env: dict[str, str] = field(default_factory=dict)  # extra environment of the head's Ray
-    ray_started: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
@@ -275,10 +271,6 @@ class NamespaceCluster:
             # a worker node's temp dir is its own too (Ray takes the head's otherwise)
             argv += [f"--temp-dir={temp}"]
         self.run(node, argv, env=self.head_env if node == 0 else None, timeout=120)
-        while len(self.ray_started) <= node:
-            self.ray_started.append(False)
-        self.ray_started[node] = True
-        self._save()
 
     def start_redis(self, node: int, port: int, password: str) -> None:
         """A Redis server on the node (Debian's `redis-server`, installed when missing),
@@ -331,78 +323,6 @@ class NamespaceCluster:
             text = (self.root / "gcs-restart.log").read_text(errors="replace")[-2000:]
             raise NetnsError(f"the GCS exited {proc.returncode} on restart: {text}")
 
-    # -- SSH, for Ray's cluster launcher (`ray up`) ------------------------------------
-    @property
-    def ssh_key(self) -> Path:
-        return self.root / "ssh" / "id_ed25519"
-
-    def home(self, node: int) -> Path:
-        return self.root / f"home{node}"
-
-    def start_sshd(self, node: int, path_first: str, env: dict[str, str]) -> None:
-        """An sshd on the node's address, port 22, that lets root in with `ssh_key`. It runs
-        in PID and mount namespaces of its own, so a session sees a machine of its own:
-        only the node's processes (`ray stop` there stops only the node's Ray) and its own
-        home (`home(node)`, whose .bashrc puts `path_first` first on PATH and exports
-        `env`, TMPDIR and RAY_TMPDIR: a temp dir of the node's own; the other entries of
-        this machine's home are links to them, so Python installs and the kvray cache stay
-        shared)."""
-        ensure_debian_package("sshd", "openssh-server")
-        ensure_debian_package("rsync", "rsync")  # Ray's launcher copies its files with it
-        keys = self.ssh_key.parent
-        keys.mkdir(parents=True, exist_ok=True)
-        for key in (self.ssh_key, keys / "host_ed25519"):
-            if not key.exists():
-                sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key))
-        home, tmp = self.home(node), self.root / f"tmp{node}"
-        (home / ".ssh").mkdir(parents=True, exist_ok=True)
-        tmp.mkdir(parents=True, exist_ok=True)
-        env = {"TMPDIR": str(tmp), "RAY_TMPDIR": str(tmp), **env}  # Ray's temp dir: the node's own
-        (home / ".ssh" / "authorized_keys").write_text(Path(f"{self.ssh_key}.pub").read_text())
-        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
-        (home / ".bashrc").write_text(f"export PATH={shlex.quote(path_first)}:$PATH\n{exports}")
-        config = self.root / f"sshd{node}.conf"
-        config.write_text(
-            f"ListenAddress {self.ip(node)}\nPort 22\nHostKey {keys / 'host_ed25519'}\n"
-            "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
-            f"StrictModes no\nPidFile {self.root / f'sshd{node}.pid'}\n"
-        )
-        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation folder
-        # The rest of this machine's home (Python installs, the kvray cache) stays reachable:
-        # the real home is mounted at realhome<node> and the node's home links to its entries.
-        real_home, mirror = Path.home(), self.root / f"realhome{node}"
-        mirror.mkdir(exist_ok=True)
-        for entry in real_home.iterdir():
-            link = home / entry.name
-            if entry.name not in (".bashrc", ".ssh") and not link.exists() and not link.is_symlink():
-                link.symlink_to(mirror / entry.name)
-        inner = [
-            f"mount --bind {real_home} {mirror}",
-            f"mount --rbind {home} {real_home}",
-            f"exec /usr/sbin/sshd -D -f {config} -E {self.root}/sshd{node}.log",
-        ]
-        self.popen(node, ["unshare", "--pid", "--fork", "--mount-proc", "--propagation", "private",
-                          "sh", "-c", " && ".join(inner)],
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-        for _ in range(100):
-            probe = ["ssh", "-i", str(self.ssh_key), *SSH_OPTIONS, f"root@{self.ip(node)}", "true"]
-            if self.run(node, probe, check=False, timeout=30).returncode == 0:
-                return
-            time.sleep(0.2)
-        raise NetnsError(f"sshd on node {node} does not let us in (log: {self.root}/sshd{node}.log)")
-
-    def ray_up_config(self, preset: str) -> Path:
-        """cluster/ray-up/netns.yaml filled in for this cluster (node 0 the head)."""
-        workers = [self.ip(n) for n in range(1, self.nodes)]
-        path = self.root / "ray-up.yaml"
-        path.write_text(ray_up_config(self.name, self.ip(0), workers, self.ssh_key, preset))
-        return path
-
-    def start_ssh(self) -> None:
-        """An sshd on every node (see start_sshd), kvray's environment on each node's PATH."""
-        for node in range(self.nodes):
-            self.start_sshd(node, str(Path(sys.executable).parent), {**RAY_ENV, **self.env})
-
     def log_tail(self, node: int, name: str, chars: int = 3000) -> str:
         """The end of a Ray log file of the node's current session (e.g. gcs_server.out)."""
         path = self.temp_dir(node) / "session_latest" / "logs" / name
@@ -448,15 +368,6 @@ def enter_namespace(ns: str) -> None:
     with open(f"/var/run/netns/{ns}") as f:
         if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
             raise NetnsError(f"setns({ns}): {os.strerror(ctypes.get_errno())}")
-
-
-def ray_up_config(name: str, head_ip: str, worker_ips: list[str], ssh_key: Path | str, preset: str) -> str:
-    """The text of cluster/ray-up/netns.yaml with its <placeholders> filled in."""
-    text = (Path(__file__).parent / "ray-up" / "netns.yaml").read_text()
-    fill = {"<head-ip>": head_ip, "<worker-ips>": json.dumps(worker_ips), "<ssh-key>": str(ssh_key)}
-    for key, value in {**fill, "<preset>": preset}.items():
-        text = text.replace(key, value)
-    return text.replace("cluster_name: kvray-netns", f"cluster_name: {name}")
 
 
 def namespaces() -> list[str]:

@@ -20,6 +20,7 @@ import json
 import os
 
 from kvray.cluster.netns import NamespaceCluster, teardown
+from kvray.cluster.netns_ssh import ssh_key, start_ssh, write_ray_up_config
 
 DEFAULT_NAME = "kvray"
 
@@ -31,9 +32,9 @@ def _up(args: argparse.Namespace) -> int:
     for node in range(cluster.nodes):
         print(f"node {node}: namespace {cluster.ns(node)}, {cluster.ip(node)}", flush=True)
     if args.ssh:
-        cluster.start_ssh()
-        config = cluster.ray_up_config(args.ssh)
-        print(f"sshd on every node (key {cluster.ssh_key}); Ray's launcher config: {config}")
+        start_ssh(cluster)
+        config = write_ray_up_config(cluster, args.ssh)
+        print(f"sshd on every node (key {ssh_key(cluster)}); Ray's launcher config: {config}")
         print(f"  kvray cluster exec 0 -- env RAY_UP_enable_autoscaler_v2=0 ray up -y {config}")
     else:
         print(f"Ray head: {cluster.head_address}  (run on it: kvray cluster exec 0 -- <command>)")

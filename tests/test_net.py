@@ -114,7 +114,7 @@ def test_the_namespace_harness_reads_tc_rates_and_refuses_bad_names_and_rates():
 def test_the_ray_up_template_is_filled_for_the_cluster():
     import yaml
 
-    from kvray.cluster.netns import ray_up_config
+    from kvray.cluster.netns_ssh import ray_up_config
 
     config = yaml.safe_load(ray_up_config("kvx", "10.9.8.10", ["10.9.8.11", "10.9.8.12"], "/k/id", "p-1"))
     assert config["cluster_name"] == "kvx"

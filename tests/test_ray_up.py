@@ -34,7 +34,7 @@ import yaml
 import kvray.cluster
 from kvray.cluster.cli import build_parser, main
 from kvray.cluster.deploy import app_url
-from kvray.cluster.netns import ray_up_config
+from kvray.cluster.netns_ssh import ray_up_config
 from kvray.cluster.ports import free_port
 
 pytest.importorskip("jsonschema")  # Ray's validator needs it

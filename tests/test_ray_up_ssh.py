@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from kvray.cluster.netns import NamespaceCluster, check_can_run, ray_command
+from kvray.cluster.netns_ssh import node_home, start_ssh, write_ray_up_config
 from kvray.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -39,8 +40,8 @@ def launched():
     cluster = NamespaceCluster(f"kvu{uuid.uuid4().hex[:5]}", nodes=3, subnet=subnet)
     try:
         cluster.up(start_ray=False)
-        cluster.start_ssh()
-        config = cluster.ray_up_config("smollm2-cpu")
+        start_ssh(cluster)
+        config = write_ray_up_config(cluster, "smollm2-cpu")
         cluster.run(
             0, [ray_command(), "up", "-y", "--no-config-cache", str(config)], env=LAUNCHER_ENV, timeout=600
         )
@@ -71,7 +72,7 @@ def _completion(cluster: NamespaceCluster) -> str:
 
 
 def _wait_deployed(cluster: NamespaceCluster, timeout_s: float = 600) -> None:
-    log = cluster.home(0) / "kvray-deploy.log"
+    log = node_home(cluster, 0) / "kvray-deploy.log"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
