@@ -34,6 +34,16 @@ class UnsupportedArchitectureError(InvalidArgumentError):
     """The model's Hugging Face architecture has no kvray implementation."""
 
 
+def no_chat_template() -> InvalidArgumentError:
+    """The error of a chat request to a model whose tokenizer has no chat template (a base model)."""
+    return InvalidArgumentError(
+        "messages",
+        "<chat>",
+        "a model with a chat template: this one has none (a base model), so send a plain "
+        "prompt (completions, `LLM.generate`) or pass chat_template",
+    )
+
+
 def check_range(field: str, value, *, low=None, high=None, low_open=False, high_open=False, allow_inf=False):
     """Raise InvalidArgumentError unless low <= value <= high (with open ends where asked).
     NaN is never in range, nor are infinities unless `allow_inf` (JSON bodies may carry

@@ -120,7 +120,10 @@ def run_kvray(model: str, reqs, args) -> dict:
     start = time.perf_counter()
     llm.generate(prompts, params)
     seconds = time.perf_counter() - start
+    import psutil
+
     out = {"seconds": seconds, "dtype": str(llm.engine.dtype).removeprefix("torch."), "llm": llm}
+    out["rss_gb"] = psutil.Process().memory_info().rss / 1e9  # weights + KV cache + runtime
     if args.profile:
         out["profile"] = profile(llm, prompts, params)
     return out
@@ -214,6 +217,7 @@ def main() -> None:
         f"workload: {len(reqs)} requests (mix), {sum(len(i) for i, _ in reqs)} prompt tokens, "
         f"{useful} output tokens, greedy, ignore_eos; {flops / 1e12:.2f} TFLOP of model matmuls"
     )
+    print(f"kvray process RSS after the run: {kv['rss_gb']:.2f} GB (weights, KV cache, runtime)")
     print(
         f"roofline: best {kv['dtype']} linear at the model's shapes {rate / 1e9:.1f} GFLOP/s ({shape}) "
         f"-> {roofline_s:.1f} s, {useful / roofline_s:.1f} useful tok/s\n"

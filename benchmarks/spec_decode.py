@@ -15,6 +15,8 @@ engines run a batch at a time in turn (ABBA), `--repeats` times over: a VM's spe
 by 10-30 % over a minute, and a plain run followed by a speculative one measured the drift.
 
     .venv/bin/python benchmarks/spec_decode.py [--k 8] [--lookup-min 2] [--max-tokens 160]
+    .venv/bin/python benchmarks/spec_decode.py --model qwen2.5-coder-1.5b-instruct \
+        --draft qwen2.5-coder-0.5b-instruct      (a draft model's speculation beside n-gram)
 """
 
 from __future__ import annotations
@@ -102,15 +104,17 @@ class Totals:
     first_pass: list[list[int]] = field(default_factory=list)  # tokens per prompt, first repeat
 
 
-def run_pair(plain, ngram, prompts: list[dict], params, batch: int, repeats: int) -> tuple[Totals, Totals]:
-    """`run` of both engines, interleaved a batch at a time (ABBA order) so that a VM's
-    drifting speed hits both alike."""
-    totals = (Totals(), Totals())
+def run_engines(engines: list, prompts: list[dict], params, batch: int, repeats: int) -> list[Totals]:
+    """`run` of every engine, interleaved a batch at a time (the order rotating, ABBA for
+    two) so that a VM's drifting speed hits them alike."""
+    totals = [Totals() for _ in engines]
     for r in range(repeats):
         for i in range(0, len(prompts), batch):
-            order = (0, 1) if (r + i // batch) % 2 == 0 else (1, 0)
+            order = list(range(len(engines)))
+            if (r + i // batch) % 2:
+                order.reverse()
             for which in order:
-                s, n, toks, decode = run((plain, ngram)[which], prompts[i : i + batch], params, batch)
+                s, n, toks, decode = run(engines[which], prompts[i : i + batch], params, batch)
                 t = totals[which]
                 t.seconds, t.tokens, t.decode_seconds = t.seconds + s, t.tokens + n, t.decode_seconds + decode
                 if r == 0:
@@ -120,59 +124,81 @@ def run_pair(plain, ngram, prompts: list[dict], params, batch: int, repeats: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="the target model")
+    ap.add_argument("--draft", default=None, help="also a draft model's speculation (e.g. an alias)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens (n-gram)")
+    ap.add_argument("--draft-k", type=int, default=4, help="num_speculative_tokens (draft model)")
     # 1: on the AVX-512 machines (Zen 5, bf16) a verification row costs little beside a
     # step, so more, shorter drafts pay (BENCHMARKS.md); the engine's default stays 2
     ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each workload, interleaved")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--workloads", nargs="+", default=["grounded", "open"])
     args = ap.parse_args()
 
     from kvray.engine import LLM, SamplingParams
 
-    spec = {
+    ngram_spec = {
         "method": "ngram",
         "num_speculative_tokens": args.k,
         "prompt_lookup_max": 4,
         "prompt_lookup_min": args.lookup_min,
     }
-    common = dict(max_model_len=1024, enable_prefix_caching=False)
-    plain = LLM(**common)
-    ngram = LLM(speculative_config=spec, **common)
+    common = dict(model=args.model, dtype=args.dtype, max_model_len=1024, enable_prefix_caching=False)
+    engines = {"plain": LLM(**common), "n-gram": LLM(speculative_config=ngram_spec, **common)}
+    if args.draft:
+        draft_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k}
+        engines["draft"] = LLM(speculative_config=draft_spec, **common)
+    plain = engines["plain"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     workloads = {"grounded": GROUNDED, "open": OPEN}
     print(cpu_banner())
-    print(f"model {plain.engine.config.model}, dtype {plain.engine.dtype}, n-gram k={args.k}, greedy")
+    print(
+        f"model {plain.engine.config.model}, dtype {plain.engine.dtype}, n-gram k={args.k}"
+        + (f", draft {args.draft} k={args.draft_k}" if args.draft else "")
+        + ", greedy"
+    )
     print()
     print(
-        "| workload | batch | plain tok/s | n-gram tok/s | speed-up | plain decode tok/s "
-        "| n-gram decode tok/s | decode speed-up | acceptance | drafts kept per step | same tokens |"
+        "| workload | batch | method | tok/s | speed-up | decode tok/s | decode speed-up "
+        "| acceptance | drafts kept per step | same tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     warm = [chat_ids(plain.tokenizer, "Hello")]
-    run(plain, warm, params, 1)
-    run(ngram, warm, params, 1)
-    for name, texts in workloads.items():
-        prompts = [chat_ids(plain.tokenizer, t) for t in texts]
-        for batch in (1, 4):
-            stats = ngram.engine.spec_stats
-            before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-            base, spec = run_pair(plain, ngram, prompts, params, batch, args.repeats)
-            base_tps, spec_tps = base.tokens / base.seconds, spec.tokens / spec.seconds
-            # decode: tokens after each request's first over its time from first to last
-            later = len(prompts) * args.repeats
-            base_dec = (base.tokens - later) / base.decode_seconds
-            spec_dec = (spec.tokens - later) / spec.decode_seconds
-            drafts = stats.num_drafts - before[0]
-            proposed = stats.num_draft_tokens - before[1]
-            kept = stats.num_accepted_tokens - before[2]
-            print(
-                f"| {name} | {batch} | {base_tps:.1f} | {spec_tps:.1f} | "
-                f"{spec_tps / base_tps:.2f}x | {base_dec:.1f} | {spec_dec:.1f} | "
-                f"{spec_dec / base_dec:.2f}x | {kept / max(proposed, 1):.0%} | "
-                f"{kept / max(drafts, 1):.2f} | {spec.first_pass == base.first_pass} |",
-                flush=True,
+    for llm in engines.values():
+        run(llm, warm, params, 1)
+    for name in args.workloads:
+        prompts = [chat_ids(plain.tokenizer, t) for t in workloads[name]]
+        for batch in args.batches:
+            before = {k: _spec_counts(llm) for k, llm in engines.items()}
+            totals = dict(
+                zip(engines, run_engines(list(engines.values()), prompts, params, batch, args.repeats))
             )
+            later = len(prompts) * args.repeats  # decode: tokens after each request's first
+            base = totals["plain"]
+            base_tps, base_dec = base.tokens / base.seconds, (base.tokens - later) / base.decode_seconds
+            for method, t in totals.items():
+                tps, dec = t.tokens / t.seconds, (t.tokens - later) / t.decode_seconds
+                drafts, proposed, kept = (
+                    a - b for a, b in zip(_spec_counts(engines[method]), before[method])
+                )
+                spec_cols = (
+                    f"{kept / max(proposed, 1):.0%} | {kept / max(drafts, 1):.2f}"
+                    if method != "plain"
+                    else "- | -"
+                )
+                print(
+                    f"| {name} | {batch} | {method} | {tps:.1f} | {tps / base_tps:.2f}x | {dec:.1f} | "
+                    f"{dec / base_dec:.2f}x | {spec_cols} | {t.first_pass == base.first_pass} |",
+                    flush=True,
+                )
+
+
+def _spec_counts(llm) -> tuple[int, int, int]:
+    stats = llm.engine.spec_stats
+    return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
 
 
 if __name__ == "__main__":

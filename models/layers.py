@@ -122,9 +122,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.shard.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 
-def rope_inv_freq(config) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for the config's RoPE type (default, linear, llama3)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
+def rope_inv_freq(config, params: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for the config's RoPE type (default, linear, llama3),
+    or for `params` (one layer type's entry of a per-layer-type `rope_parameters`)."""
+    params = dict(params or getattr(config, "rope_parameters", None) or {})
     if not params:  # transformers 4 style configs
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -164,9 +165,9 @@ def head_dim_of(config) -> int:
 class RotaryEmbedding(nn.Module):
     """Applies HF's non-interleaved ("rotate half") RoPE at arbitrary token positions."""
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, params: dict | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(config)
+        inv_freq = rope_inv_freq(config, params)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # Plain attributes, not buffers: `model.to(bf16)` must not round the tables.
         self.cos = freqs.cos()  # fp32 [P, D/2]

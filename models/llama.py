@@ -135,6 +135,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
+    decoder_layer: type[nn.Module] = DecoderLayer  # a subclass's architecture swaps these
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config, max_positions: int, shard: ShardContext | None = None):
         super().__init__()
         self.config = config
@@ -146,10 +149,10 @@ class LlamaForCausalLM(nn.Module):
         if spec.is_first_stage or (spec.is_last_stage and self.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(vocab, config.hidden_size, shard)
         windows = layer_sliding_windows(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, windows[i], shard) for i in self.layer_range)
+        self.layers = nn.ModuleList(self.decoder_layer(config, windows[i], shard) for i in self.layer_range)
         self.rotary = RotaryEmbedding(config, max_positions)
         if spec.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
             if not self.tie_word_embeddings:
                 self.lm_head = VocabParallelEmbedding(vocab, config.hidden_size, shard)
         self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (CPU)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from kvray.errors import InvalidArgumentError, UnknownModelError
-from kvray.models.fetch import ALIASES, fetch_alias
+from kvray.models.fetch import ALIASES, fetch_alias, fetch_gguf
 from kvray.models.parallel import ShardContext
 from kvray.models.registry import model_class
 
@@ -19,12 +19,15 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def resolve_model_path(model: str) -> Path:
-    """An alias, a local Hugging Face folder, or a hub id (fetched with huggingface_hub)."""
+    """An alias, a local `.gguf` file or Hugging Face folder, or a hub id (fetched with
+    huggingface_hub)."""
     if model in ALIASES:
         return fetch_alias(model)
     if os.path.isdir(model):
         return Path(model)
-    allowed = f"an alias in {sorted(ALIASES)}, a local Hugging Face folder, or a hub id"
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return fetch_gguf(model)
+    allowed = f"an alias in {sorted(ALIASES)}, a local .gguf file or Hugging Face folder, or a hub id"
     if not _HUB_ID.match(model):
         raise UnknownModelError("model", model, allowed)
     try:

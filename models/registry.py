@@ -5,12 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from kvray.errors import UnsupportedArchitectureError
+from kvray.models.gemma3 import Gemma3ForCausalLM
 from kvray.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvray.engine import SamplingParams
 from kvray.engine.request_limits import RequestLimits
 from kvray.engine.structured_outputs import GrammarCompiler
-from kvray.errors import InvalidArgumentError
+from kvray.errors import InvalidArgumentError, no_chat_template
 from kvray.router.api_error import APIError
 from kvray.router.protocol import ChatCompletionRequest, CompletionRequest
 from kvray.router.tool_calls import ToolCallParser, parser_for_template
@@ -63,6 +63,8 @@ class Ingest:
         self, messages, tools, add_generation_prompt: bool = True, continue_final: bool = False
     ) -> str:
         """The conversation through the model's chat template (tools, if any, in it too)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise no_chat_template()
         conversation = [m.for_template() for m in messages]
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         return self.tokenizer.apply_chat_template(

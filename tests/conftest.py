@@ -101,6 +101,26 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def greedy_agreement(hf, prompts: list[list[int]], got: list[list[int]], want: list[list[int]]):
+    """(tokens agreeing before each prompt's first divergence, tokens, ties), summed over
+    prompts: `got` against `want`, transformers' greedy tokens from `hf` (the bf16 rule).
+
+    A divergence where got's token is itself the top logit of hf's own forward over the
+    same prefix (without its KV cache) is a tie at bf16 resolution that transformers'
+    cached decode broke the other way, not a disagreement: such a prompt counts in full."""
+    agreed = total = ties = 0
+    for prompt, g, w in zip(prompts, got, want):
+        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if first is not None:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + w[:first]])).logits[0, -1]
+            if logits[g[first]] == logits.max():
+                ties, first = ties + 1, None
+        agreed += min(len(g), len(w)) if first is None else first
+        total += len(w)
+    return agreed, total, ties
+
+
 def assert_no_leaks(llm) -> None:
     """After every request finished or aborted: nothing used, and the pool adds up."""
     stats = llm.kv_cache_stats()

@@ -82,6 +82,7 @@ MIXED_CASES = [  # (num_kv_heads, group, head_dim, block_size, dtype, window)
     (1, 8, 128, 32, torch.float16, 20),
     (2, 4, 80, 16, torch.float32, None),
     (1, 2, 96, 32, torch.float16, 30),
+    (1, 4, 256, 16, torch.float32, 20),  # Gemma 3 270M's shape: 4 q heads on 1 KV head, head_dim 256
 ]
 
 
@@ -143,6 +144,7 @@ DECODE_CASES = [  # (num_kv_heads, group, head_dim, block_size, dtype, window, n
     (1, 8, 128, 32, torch.float16, 40, 2),
     (2, 1, 128, 16, torch.float32, 100, 3),
     (1, 3, 64, 32, torch.float32, None, 5),  # more splits than the short sequence fills
+    (1, 4, 256, 16, torch.float32, 64, 2),  # Gemma 3's local layers (head_dim 256, a window)
 ]
 
 

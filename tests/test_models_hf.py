@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from kvray.engine import LLM, SamplingParams
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
+from kvray.models.layers import head_dim_of
 from kvray.models.loader import build_model, load_config
 
 SMALL = dict(
@@ -42,6 +43,20 @@ CONFIGS = {
     "llama-tied-mha": lambda: LlamaConfig(**{**SMALL, "num_key_value_heads": 4}, tie_word_embeddings=True),
     "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=8, tie_word_embeddings=False),
     "qwen2-bias": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
+    # local and global layers with RoPE bases of their own, a head_dim that is not
+    # hidden / heads, a query scalar that is not head_dim, GeGLU, four norms a layer
+    "gemma3-local-global": lambda: Gemma3TextConfig(
+        **{**SMALL, "num_hidden_layers": 3},
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -52,17 +67,22 @@ def saved_model(request, tmp_path_factory):
     config.architectures = [config.architectures[0] if config.architectures else _arch(config)]
     hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # larger weights than the init give peaked, tie-free logits
-        for p in hf.parameters():
+        for name, p in hf.named_parameters():
             p.mul_(8.0 if p.dim() > 1 else 1.0)
+            if "norm" in name and config.model_type == "gemma3_text":  # Gemma scales by 1 + w
+                p.uniform_(-0.5, 0.5)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return request.param, path, hf
 
 
 def _arch(config) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
-        config.model_type
-    ]
+    return {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
+    }[config.model_type]
 
 
 def _kvray_logits(
@@ -70,7 +90,7 @@ def _kvray_logits(
 ):
     """Logits at every position: prompt prefilled in the given chunks, the rest decoded
     (into `caches` where given: 64 blocks of `block_size` a layer)."""
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     num_blocks = 64
     caches = caches or [
         LayerKV(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_no_leaks, hf_greedy
+from conftest import assert_no_leaks, greedy_agreement, hf_greedy
 
 from kvray.engine import LLM, SamplingParams
 from kvray.engine.dtype import cpu_has_native_bf16
@@ -139,17 +139,8 @@ def test_bf16_greedy_agrees_with_transformers_bf16(smollm2_path, smollm2_tokeniz
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
     expected = [hf_greedy(hf, p["prompt_token_ids"], m) for p, m in prompts]
     llm = LLM(model=str(smollm2_path), dtype="bfloat16", max_num_batched_tokens=256)
-    agreed = total = ties = 0
-    for (prompt, _), out, want in zip(prompts, _run(llm, prompts), expected):
-        got = out.outputs[0].token_ids
-        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if first is not None:
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt["prompt_token_ids"] + want[:first]])).logits[0, -1]
-            if logits[got[first]] == logits.max():
-                ties, first = ties + 1, None
-        agreed += min(len(got), len(want)) if first is None else first
-        total += len(want)
+    got = [out.outputs[0].token_ids for out in _run(llm, prompts)]
+    agreed, total, ties = greedy_agreement(hf, [p["prompt_token_ids"] for p, _ in prompts], got, expected)
     print(f"bf16: {agreed}/{total} greedy tokens agree before a divergence; {ties} ties")
     assert agreed / total >= 0.9
     assert_no_leaks(llm)

@@ -30,6 +30,22 @@ def test_presets_validate_and_build(preset, disaggregated):
     assert build_app({"config": preset}) is not None
 
 
+@pytest.mark.parametrize(
+    ("preset", "model", "disaggregated"),
+    [
+        ("qwen2.5-1.5b-cpu-pd", "qwen2.5-coder-1.5b-instruct", True),
+        ("gemma3-270m-cpu", "gemma-3-270m", False),
+    ],
+)
+def test_model_presets_name_their_alias(preset, model, disaggregated):
+    from kvray.models.fetch import ALIASES
+
+    config = load_config(preset)
+    assert config.engine["model"] == config.model_name == model and model in ALIASES
+    assert config.disaggregated is disaggregated and config.engine["dtype"] == "auto"
+    assert build_app(preset) is not None
+
+
 def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="max_queued_requests"):
         ServeConfig(max_queued_requests=0)

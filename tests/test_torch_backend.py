@@ -29,6 +29,7 @@ CASES = [  # (num_kv_heads, group, head_dim, block_size, window, native)
     (2, 4, 64, 16, 50, True),
     (1, 9, 64, 16, None, False),  # more than 8 query heads per KV head
     (2, 2, 80, 16, None, False),  # head_dim not a multiple of 32
+    (1, 4, 256, 16, 100, True),  # Gemma 3 270M's local layers: head_dim 256, a window
 ]
 
 
