@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each workload, interleaved")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--workloads", nargs="+", default=["grounded", "open"])
+    ap.add_argument("--no-ngram", action="store_true", help="plain and the draft model only (less memory)")
     args = ap.parse_args()
 
     from kvray.engine import LLM, SamplingParams
@@ -147,7 +148,9 @@ def main() -> None:
         "prompt_lookup_min": args.lookup_min,
     }
     common = dict(model=args.model, dtype=args.dtype, max_model_len=1024, enable_prefix_caching=False)
-    engines = {"plain": LLM(**common), "n-gram": LLM(speculative_config=ngram_spec, **common)}
+    engines = {"plain": LLM(**common)}
+    if not args.no_ngram:
+        engines["n-gram"] = LLM(speculative_config=ngram_spec, **common)
     if args.draft:
         draft_spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.draft_k}
         engines["draft"] = LLM(speculative_config=draft_spec, **common)

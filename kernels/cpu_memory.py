@@ -26,9 +26,12 @@ import torch
 HUGE_PAGE = 2 << 20
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, touch: bool = True) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor, 2 MiB-aligned in memory advised for huge pages
-    where the system takes the advice (the mapping lives as long as a view of it)."""
+    where the system takes the advice (the mapping lives as long as a view of it).
+    `touch=False` leaves its pages for the caller's first writes to fault in (still zero:
+    fresh anonymous memory), so a caller filling it piece by piece holds no more than it
+    has filled."""
     nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_PAGE or advice is None:
@@ -40,7 +43,8 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping
     start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start : start + nbytes].zero_().view(dtype).view(shape)
+    tensor = raw[start : start + nbytes]
+    return (tensor.zero_() if touch else tensor).view(dtype).view(shape)
 
 
 def release_freed_memory() -> None:

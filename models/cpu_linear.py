@@ -150,14 +150,23 @@ def gather_panels(model: nn.Module) -> int:
         if isinstance(getattr(module, attr, None), cpu_native.Panels)
     ]
     spans = [-(-getattr(m, a).data.nbytes // 64) * 64 for m, a in owners]  # each 64-byte aligned
-    arena = huge_page_zeros((sum(spans),), torch.uint8)
-    start = 0
+    # faulted in as the copies fill it, each first copy freed once moved and the heap
+    # trimmed as it goes: the model's panels are held about once, not twice (a 1.5B model
+    # in fp32 is 6.2 GB of panels beside oneDNN's 6.2 GB copy)
+    arena = huge_page_zeros((sum(spans),), torch.uint8, touch=False)
+    start = moved = 0
     for (module, attr), span in zip(owners, spans):
         old = getattr(module, attr)
         new = arena[start : start + old.data.nbytes].view(old.data.dtype).view(old.data.shape)
         new.copy_(old.data)
         setattr(module, attr, cpu_native.Panels(new, old.n, old.k))
-        start += span
-    old = None  # the last first copy, freed before the trim
-    release_freed_memory()  # the first copies' pages
+        start, moved = start + span, moved + span
+        old = None
+        if moved >= TRIM_EVERY:
+            release_freed_memory()  # the first copies' pages
+            moved = 0
+    release_freed_memory()
     return len(owners)
+
+
+TRIM_EVERY = 256 << 20  # bytes of panels moved between trims of the heap
