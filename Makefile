@@ -37,9 +37,10 @@ test-nodes: install
 test-ray-up: install
 	$(PY) -m pytest -q tests/test_ray_up_ssh.py
 
-# the draft/target pair of real models (Qwen2.5-Coder 0.5B for 1.5B: 1.1 GB to fetch once)
+# the Qwen2.5-Coder models (0.5B against transformers; 0.5B drafting for 1.5B: 1.6 GB of
+# GGUF to fetch once)
 test-models: install
-	$(PY) -m pytest -q -m large_model tests/test_models_pair.py
+	$(PY) -m pytest -q -m large_model tests/test_models_real.py tests/test_models_pair.py
 
 generate: install
 	$(VENV)/bin/kvray generate

@@ -113,7 +113,7 @@ def best_matmul_rate(
 def run_kvray(model: str, reqs, args) -> dict:
     from kvray.engine import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="auto", max_model_len=2048, seed=args.seed)
+    llm = LLM(model=model, dtype=args.dtype, max_model_len=2048, seed=args.seed)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate(prompts[:4], params[:4])  # warm up
@@ -181,6 +181,7 @@ def run_vllm(python: str, model_path, reqs, dtype: str, threads: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto", help="kvray's (and vLLM's: the one kvray chose)")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -212,7 +213,8 @@ def main() -> None:
             ("vLLM CPU `LLM.generate` (eager)", run_vllm(args.vllm, path, reqs, kv["dtype"], args.threads))
         )
 
-    print(f"\n{cpu_banner()}; torch {torch.__version__}, {args.threads} threads; dtype auto -> {kv['dtype']}")
+    threads = f"torch {torch.__version__}, {args.threads} threads"
+    print(f"\n{cpu_banner()}; {threads}; dtype {args.dtype} -> {kv['dtype']}")
     print(
         f"workload: {len(reqs)} requests (mix), {sum(len(i) for i, _ in reqs)} prompt tokens, "
         f"{useful} output tokens, greedy, ignore_eos; {flops / 1e12:.2f} TFLOP of model matmuls"

@@ -32,7 +32,12 @@ TEXTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about t
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])
+# Gemma 3 (its own architecture) in `make test`; Qwen2 (the Llama-family class with QKV
+# bias, 14 query heads on 2 KV heads) with the other GB-sized models in `make test-models`
+@pytest.fixture(
+    scope="module",
+    params=["gemma-3-270m", pytest.param("qwen2.5-coder-0.5b-instruct", marks=pytest.mark.large_model)],
+)
 def real_model(request):
     """(alias, converted folder, transformers' model, prompts, its greedy tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
