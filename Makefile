@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)
 
-# everything but `ray up` over SSH and the GB-sized models (their own targets below: the
-# suite stays under 30 minutes on 2 cores)
+# everything but `ray up` over SSH and the real models beyond SmolLM2 (their own targets
+# below, which CI runs too: the suite stays under 30 minutes on 2 cores)
 test: install
-	$(PY) -m pytest -q --ignore=tests/test_ray_up_ssh.py -m "not large_model"
+	$(PY) -m pytest -q --ignore=tests/test_ray_up_ssh.py -m "not real_model"
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
@@ -37,10 +37,10 @@ test-nodes: install
 test-ray-up: install
 	$(PY) -m pytest -q tests/test_ray_up_ssh.py
 
-# the Qwen2.5-Coder models (0.5B against transformers; 0.5B drafting for 1.5B: 1.6 GB of
-# GGUF to fetch once)
+# Gemma 3 270M and the Qwen2.5-Coder models against transformers (offline, bf16, tp=2, PD),
+# and the 0.5B drafting for the 1.5B (1.9 GB of GGUF to fetch once, 6.2 GB in fp32)
 test-models: install
-	$(PY) -m pytest -q -m large_model tests/test_models_real.py tests/test_models_pair.py
+	$(PY) -m pytest -q -m real_model tests/test_models_real.py tests/test_models_pair.py
 
 generate: install
 	$(VENV)/bin/kvray generate

@@ -108,8 +108,8 @@ def load_config(config: ServeConfig | dict | str | Path) -> ServeConfig:
         return config
     if isinstance(config, str | Path):
         path = Path(config)
-        if not path.exists():
-            path = PRESETS / (path.name if path.suffix else f"{path.name}.yaml")
+        if not path.exists():  # a preset's name ("qwen2.5-1.5b-cpu-pd": its dot is no suffix)
+            path = PRESETS / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
         if not path.exists():
             raise InvalidArgumentError("config", str(config), "a YAML file or a preset in kvray/configs")
         config = yaml.safe_load(path.read_text()) or {}

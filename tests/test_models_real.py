@@ -32,11 +32,14 @@ TEXTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about t
 MAX_TOKENS = 12
 
 
-# Gemma 3 (its own architecture) in `make test`; Qwen2 (the Llama-family class with QKV
-# bias, 14 query heads on 2 KV heads) with the other GB-sized models in `make test-models`
+# `make test-models` (CI runs it after `make test`, which keeps the .gguf tests below and a
+# random-weight Gemma 3 in tests/test_models_hf.py: the suite stays under 30 minutes)
 @pytest.fixture(
     scope="module",
-    params=["gemma-3-270m", pytest.param("qwen2.5-coder-0.5b-instruct", marks=pytest.mark.large_model)],
+    params=[
+        pytest.param("gemma-3-270m", marks=pytest.mark.real_model),
+        pytest.param("qwen2.5-coder-0.5b-instruct", marks=pytest.mark.real_model),
+    ],
 )
 def real_model(request):
     """(alias, converted folder, transformers' model, prompts, its greedy tokens)."""
