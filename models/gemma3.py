@@ -54,19 +54,7 @@ class GemmaAttention(Attention):
         k = self.k_norm(qkv[:, q_width : q_width + kv_width].reshape(-1, self.num_kv_heads, self.head_dim))
         q, k = apply_rotary(torch.cat((q, k), dim=1), *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_width + kv_width :].view(-1, self.num_kv_heads, self.head_dim)
-        o = backend.forward(
-            q,
-            k,
-            v,
-            kv_cache.k,
-            kv_cache.v,
-            meta,
-            self.scale,
-            self.sliding_window,
-            kv_cache.k_scale,
-            kv_cache.v_scale,
-        )
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return self.attend(q, k, v, kv_cache, backend, meta)
 
 
 class GemmaMLP(MLP):

@@ -74,6 +74,10 @@ class Attention(nn.Module):
         qk = qkv[:, : q_width + kv_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_width + kv_width :].view(-1, self.num_kv_heads, self.head_dim)
+        return self.attend(q, k, v, kv_cache, backend, meta)
+
+    def attend(self, q, k, v, kv_cache, backend: AttentionBackend, meta):
+        """The rotated q, k and v through the backend (the paged cache) and o_proj."""
         o = backend.forward(
             q,
             k,
