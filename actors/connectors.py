@@ -9,6 +9,7 @@ complete raises `KVPullError`; the decode worker then recomputes the prompt itse
   built on first use through a TCPStore rendezvous. Pull requests travel on the pair's
   control group (no Ray call per pull); the blocks come as a few layer-range chunks.
 * `object_store`: the packed tensor travels as a Ray object.
+* `tcp` (kv_socket.py): one TCP connection per pair, received on the event loop.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class KVSource:
         self.device = device
         self.layout = layout
         self.pair_groups: dict[str, PairGroups] = {}  # decode worker id -> its pair
+        self.socket_server = None  # tcp connector: kv_socket.SocketServer, started on first use
         self.bytes_sent = 0
 
     def begin(self, request_id: str) -> list[int] | None:
@@ -160,7 +162,7 @@ class ObjectStoreConnector(KVConnector):
 
     async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
         try:
-            _check_start(start_by, source_id)
+            check_start(start_by, source_id)
             packed = await wait_for(
                 source.export_piece.remote(src_blocks, *src), self.config.pull_timeout_seconds
             )
@@ -172,54 +174,88 @@ class ObjectStoreConnector(KVConnector):
         return packed.numel() * packed.element_size()
 
 
-class TorchDistConnector(KVConnector):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.groups: dict[str, PairGroups] = {}
-        self.stores: dict[str, object] = {}  # kept alive: the pair's rendezvous
-        # a pull uses tags tag .. tag + chunks; gloo tags must stay below 2**31
-        self.tags = itertools.cycle(range(1, 2**31 - TAGS_PER_PULL, TAGS_PER_PULL))
-        self.building: dict[str, asyncio.Future] = {}  # peer id -> its pair, being built
-        self.failed: dict[str, tuple[float, str]] = {}  # peer id -> (no new try before, why)
-        # One transfer at a time per pair: the prefill side serves a pair's pulls in order
-        # anyway, and NCCL matches messages by order, not by tag.
-        self.pair_locks: dict[str, asyncio.Lock] = {}
+class PeerLinks:
+    """A connector's links to its peers (a pair of groups, a socket), each built on first
+    use. Pulls that come while one is built wait for that one build; after a build failed
+    (a peer that cannot be reached), pulls from that peer fail at once, and so recompute,
+    for `retry_after_s` before it is tried again: no pull queues behind builds that time
+    out. One transfer at a time per peer (`lock`): the prefill side serves a peer's pulls
+    in order anyway, and NCCL matches messages by order, not by tag."""
 
-    async def group(self, peer_id: str, peer) -> PairGroups:
-        """The pair with `peer`, built on first use (this side hosts the store). Pulls that
-        come while it is built wait for that one build; after a build failed (a peer that
-        cannot be reached), pulls from that peer fail at once, and so recompute, for one
-        pull timeout before it is tried again: no pull queues behind builds that time out."""
-        if peer_id in self.groups:
-            return self.groups[peer_id]
+    def __init__(self, build, retry_after_s: float):
+        self.build = build  # async (peer_id, peer) -> link
+        self.retry_after_s = retry_after_s
+        self.links: dict[str, object] = {}
+        self.building: dict[str, asyncio.Future] = {}  # peer id -> its link, being built
+        self.failed: dict[str, tuple[float, str]] = {}  # peer id -> (no new try before, why)
+        self.locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, peer_id: str) -> asyncio.Lock:
+        return self.locks.setdefault(peer_id, asyncio.Lock())
+
+    async def get(self, peer_id: str, peer):
+        if peer_id in self.links:
+            return self.links[peer_id]
         retry_at, why = self.failed.get(peer_id, (0.0, ""))
         if time.monotonic() < retry_at:
             raise KVPullError(
-                f"no pair with {peer_id} (tried again in {retry_at - time.monotonic():.0f} s): {why}"
+                f"no link to {peer_id} (tried again in {retry_at - time.monotonic():.0f} s): {why}"
             )
         build = self.building.get(peer_id)
         if build is None:
             build = self.building[peer_id] = asyncio.ensure_future(self._build(peer_id, peer))
         return await asyncio.shield(build)  # a cancelled pull leaves the build to the others
 
-    async def _build(self, peer_id: str, peer) -> PairGroups:
-        timeout = self.config.pull_timeout_seconds
+    async def _build(self, peer_id: str, peer):
         try:
-            store = host_store(self.host, timeout)
-            key = f"kvray/{self.worker_id}/{peer_id}"
-            joined = peer.join_pair.remote(self.worker_id, self.host, store.port, key, self.backend)
-            groups = await asyncio.to_thread(
-                join_pair_groups, store, self.host, store.port, 0, key, self.backend, timeout
-            )
-            await wait_for(joined, timeout)
+            link = await self.build(peer_id, peer)
         except Exception as e:
-            self.failed[peer_id] = (time.monotonic() + timeout, repr(e))
+            self.failed[peer_id] = (time.monotonic() + self.retry_after_s, repr(e))
             raise
         finally:
             self.building.pop(peer_id, None)
         self.failed.pop(peer_id, None)
-        self.groups[peer_id], self.stores[peer_id] = groups, store
+        self.links[peer_id] = link
+        return link
+
+    def drop(self, peer_id: str, close=None) -> None:
+        """Forget the link (a failed transfer leaves it out of step); the next pull builds
+        a new one. `close` is called if the dropped link is still the current one."""
+        if peer_id in self.links:
+            self.links.pop(peer_id)
+            if close is not None:
+                close()
+
+
+class TorchDistConnector(KVConnector):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.links = PeerLinks(self._build, self.config.pull_timeout_seconds)
+        self.stores: dict[str, object] = {}  # kept alive: the pair's rendezvous
+        # a pull uses tags tag .. tag + chunks; gloo tags must stay below 2**31
+        self.tags = itertools.cycle(range(1, 2**31 - TAGS_PER_PULL, TAGS_PER_PULL))
+
+    @property
+    def groups(self) -> dict[str, PairGroups]:
+        return self.links.links
+
+    async def _build(self, peer_id: str, peer) -> PairGroups:
+        """The pair with `peer` (this side hosts the store)."""
+        timeout = self.config.pull_timeout_seconds
+        store = host_store(self.host, timeout)
+        key = f"kvray/{self.worker_id}/{peer_id}"
+        joined = peer.join_pair.remote(self.worker_id, self.host, store.port, key, self.backend)
+        groups = await asyncio.to_thread(
+            join_pair_groups, store, self.host, store.port, 0, key, self.backend, timeout
+        )
+        await wait_for(joined, timeout)
+        self.stores[peer_id] = store
         return groups
+
+    def _forget(self, peer_id: str) -> None:
+        """A gloo timeout closes the pair: forget it, the next pull builds a new one."""
+        self.links.drop(peer_id)
+        self.stores.pop(peer_id, None)
 
     async def pull(self, ticket, prefill, kv_cache, dst_blocks):
         """Ask on the control group, then receive on the data group: the sender answers
@@ -228,7 +264,7 @@ class TorchDistConnector(KVConnector):
         receives posted at once, each chunk unpacked while the next ones arrive."""
         peer_id = ticket.worker_id
         try:
-            groups = await self.group(peer_id, prefill)
+            groups = await self.links.get(peer_id, prefill)
             tag = next(self.tags)
             request = encode_request(tag, ticket.request_id)
             timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
@@ -237,12 +273,10 @@ class TorchDistConnector(KVConnector):
                 groups.control.send([request], 1, REQUEST_TAG).wait(timeout)
                 return receive_packed(groups.data, ticket, kv_cache, dst_blocks, tag, timeout)
 
-            async with self.pair_locks.setdefault(peer_id, asyncio.Lock()):
+            async with self.links.lock(peer_id):
                 moved = await asyncio.to_thread(transfer)
         except Exception as e:  # peer died mid-transfer, gloo timeout, ...
-            # a gloo timeout closes the pair: forget it, the next pull builds a new one
-            self.groups.pop(peer_id, None)
-            self.stores.pop(peer_id, None)
+            self._forget(peer_id)
             raise KVPullError(f"torch_dist pull of {ticket.request_id} failed: {e!r}") from e
         if moved == 0:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
@@ -255,10 +289,10 @@ class TorchDistConnector(KVConnector):
         buf = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
         timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
         try:
-            groups = await self.group(source_id, source)
+            groups = await self.links.get(source_id, source)
             tag = next(self.tags)
-            async with self.pair_locks.setdefault(source_id, asyncio.Lock()):
-                _check_start(start_by, source_id)
+            async with self.links.lock(source_id):
+                check_start(start_by, source_id)
                 sent = source.send_piece.remote(self.worker_id, tag, src_blocks, *src)
                 await asyncio.to_thread(lambda: groups.data.recv([buf], 1, tag).wait(timeout))
                 await sent
@@ -266,13 +300,12 @@ class TorchDistConnector(KVConnector):
         except KVPullError:
             raise
         except Exception as e:  # peer died mid-transfer, gloo timeout, ...
-            self.groups.pop(source_id, None)
-            self.stores.pop(source_id, None)
+            self._forget(source_id)
             raise KVPullError(f"torch_dist piece from {source_id} failed: {e!r}") from e
         return buf.numel() * buf.element_size()
 
 
-def _check_start(start_by: float, source_id: str) -> None:
+def check_start(start_by: float, source_id: str) -> None:
     if time.time() > start_by:
         raise KVPullError(f"piece from {source_id} queued past its hold; recomputing")
 
@@ -338,7 +371,12 @@ def send_packed(pg, source: KVSource, request_id: str, tag: int, timeout: dateti
     return sent
 
 
-CONNECTORS: dict[str, type[KVConnector]] = {
-    "torch_dist": TorchDistConnector,
-    "object_store": ObjectStoreConnector,
-}
+CONNECTOR_NAMES = ("torch_dist", "object_store", "tcp")
+
+
+def connector_class(name: str) -> type[KVConnector]:
+    """The connector `kv_transfer.connector` names."""
+    from kvray.actors.kv_socket import SocketConnector  # it builds on this module's classes
+
+    classes = {"torch_dist": TorchDistConnector, "object_store": ObjectStoreConnector, "tcp": SocketConnector}
+    return classes[name]

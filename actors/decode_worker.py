@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvray.actors.connectors import CONNECTORS
+from kvray.actors.connectors import connector_class
 from kvray.actors.kv_pull import KVPuller
 from kvray.actors.messages import EngineRequest, PrefillResult
 from kvray.actors.worker import EngineWorker, Role
@@ -24,7 +24,8 @@ class DecodeWorker(EngineWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         backend = "nccl" if self.llm.device.type == "cuda" else "gloo"
-        connector = CONNECTORS[self.kv_config.connector](self.worker_id, self.kv_config, self.host, backend)
+        connector_type = connector_class(self.kv_config.connector)
+        connector = connector_type(self.worker_id, self.kv_config, self.host, backend)
         self.puller = KVPuller(connector, self.kv_config, self.llm.kv_layout, self.shards)
         self.pulling: dict[str, bool] = {}  # request id -> abort once its pull is done
 

@@ -14,6 +14,7 @@ import time
 import torch
 
 from kvray.actors.connectors import KVSource
+from kvray.actors.kv_socket import socket_address
 from kvray.actors.messages import TRANSFER_BUCKETS, EngineRequest, PrefillResult
 from kvray.actors.signals import RecentMean
 from kvray.actors.worker import EngineWorker, Role
@@ -123,6 +124,9 @@ class PrefillWorker(EngineWorker):
 
     async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
         await self.source.join_pair(peer_id, host, port, key, backend, self.kv_config.pull_timeout_seconds)
+
+    async def kv_socket_address(self) -> tuple[str, int]:
+        return socket_address(self.source, self.host, self.kv_config.pull_timeout_seconds)
 
     async def _transfer(self) -> tuple[int, float, list[int]]:
         shard_sent = 0  # KV bytes this worker's other shards sent to decode shards

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvray.actors.connectors import CONNECTORS, KVPullError, KVSource
+from kvray.actors.connectors import KVPullError, KVSource, connector_class
+from kvray.actors.kv_socket import socket_address
 from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.configs import KVTransferConfig
 from kvray.engine import EngineConfig
@@ -125,7 +126,8 @@ class ShardWorker:
         self.source = KVSource(None, self.runner.kv_cache, self.runner.device, layout)
         kv = KVTransferConfig(**kv_config)
         backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
-        self.connector = CONNECTORS[kv.connector](self.shard_id, kv, host, backend)
+        self.host = node_ip()  # this shard's node (its driver's may be another)
+        self.connector = connector_class(kv.connector)(self.shard_id, kv, self.host, backend)
 
     def _serve(self, config, hf_config, path, shard, built: Future) -> None:
         try:
@@ -157,6 +159,9 @@ class ShardWorker:
 
     async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
         return await self.source.export_piece(blocks, layers, heads)
+
+    async def kv_socket_address(self) -> tuple[str, int]:
+        return socket_address(self.source, self.host, self.connector.config.pull_timeout_seconds)
 
     # KV destination side (this shard's slice of a decode worker's cache)
     async def pull_pieces(self, *args) -> int:

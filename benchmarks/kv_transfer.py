@@ -23,7 +23,8 @@ import time
 import ray
 import torch
 
-from kvray.actors.connectors import CONNECTORS, KVSource
+from kvray.actors.connectors import CONNECTOR_NAMES, KVSource, connector_class
+from kvray.actors.kv_socket import socket_address
 from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.cluster.local import ensure_ray, launch
 from kvray.configs import KVTransferConfig
@@ -49,7 +50,7 @@ class KVPeer:
         config = KVTransferConfig(pull_timeout_seconds=120)
         host = node_ip()
         bind_collectives_to(host)  # as a worker does: gloo on the interface of the node's IP
-        self.connectors = {name: cls(peer_id, config, host, "gloo") for name, cls in CONNECTORS.items()}
+        self.connectors = {n: connector_class(n)(peer_id, config, host, "gloo") for n in CONNECTOR_NAMES}
         self.layout = layout
 
     def pin(self, request_id: str, blocks: list[int]) -> KVTicket:
@@ -62,6 +63,9 @@ class KVPeer:
 
     async def join_pair(self, peer_id, host, port, key, backend):
         await self.source.join_pair(peer_id, host, port, key, backend, 120)
+
+    async def kv_socket_address(self):
+        return socket_address(self.source, node_ip(), 120)
 
     async def pull(
         self, connector: str, ticket: KVTicket, src, dst_blocks: list[int], reps: int
@@ -120,7 +124,7 @@ def transfer_table(reps: int) -> list[str]:
             nbytes = layout.packed_bytes(n)
             pulls = {
                 c: statistics.median(ray.get(dst.pull.remote(c, ticket, src, list(range(n)), reps)))
-                for c in ("torch_dist", "object_store")
+                for c in CONNECTOR_NAMES
             }
             raw = _raw_send_seconds(src, dst, nbytes, reps)
             for connector, seconds in pulls.items():
@@ -167,9 +171,10 @@ def latency_table(num_requests: int, pd: dict | None = None, mixed: dict | None 
     ]
     for mode, deployment in (
         (
-            "disaggregated 1P+1D, torch_dist",
+            "disaggregated 1P+1D, tcp",
             {
                 "disaggregated": True,
+                "kv_transfer": {"connector": "tcp"},  # as the CPU presets
                 "prefill": {"num_cpus": 1, "torch_threads": 1, "resources": pd.get("prefill", {})},
                 "decode": {"num_cpus": 1, "torch_threads": 1, "resources": pd.get("decode", {})},
             },

@@ -4,7 +4,7 @@ same bytes over the same link, and TTFT of PD against colocated, at each rate.
 
 Node 0 is the head (the driver), node 1 offers `kvray_prefill`, node 2 `kvray_decode`.
 Part 1: two `KVPeer` actors of benchmarks/kv_transfer.py, one per node, pull n pinned
-blocks through the real `torch_dist` connector; the baseline sends the same number of
+blocks through the real `torch_dist` and `tcp` connectors; the baseline sends the same number of
 bytes over a TCP connection between the same two namespaces (sender to receiver, the
 receiver's one-byte answer ends the timing, as the pull's last chunk ends it), in the
 same run. Part 2 serves SmolLM2 (fp32) with the prefill worker on node 1 and the decode
@@ -84,9 +84,12 @@ def driver(args: argparse.Namespace) -> None:
     pulls = {}
     for n in SIZES_BLOCKS:
         ticket = ray.get(src.pin.remote(f"r{n}", list(range(1, 2 * n, 2))))
-        times = ray.get(dst.pull.remote("torch_dist", ticket, src, list(range(n)), args.reps))
+        times = {
+            c: statistics.median(ray.get(dst.pull.remote(c, ticket, src, list(range(n)), args.reps)))
+            for c in ("torch_dist", "tcp")
+        }
         raw = _raw_send_seconds(src, dst, layout.packed_bytes(n), args.reps)  # one gloo send, same pair
-        pulls[n] = (layout.packed_bytes(n), statistics.median(times), raw)
+        pulls[n] = (layout.packed_bytes(n), times["torch_dist"], times["tcp"], raw)
     ray.kill(src)
     ray.kill(dst)
     rows = []
@@ -130,12 +133,17 @@ def main() -> None:
             out = cluster.run(0, me, timeout=1800).stdout
             result = json.loads(out.split("RESULT ", 1)[1])
             print(f"\nlink: {rate} each way (tbf), node 1 -> node 2\n")
-            print("| MB | torch_dist pull (MB/s) | one gloo send (MB/s) | TCP stream (MB/s) | pull / TCP |")
-            print("|---|---|---|---|---|")
-            for _, (nbytes, pull_s, gloo_s) in sorted(result["pulls"].items(), key=lambda kv: int(kv[0])):
+            print(
+                "| MB | torch_dist pull (MB/s) | tcp pull (MB/s) | one gloo send (MB/s) | TCP stream (MB/s) "
+                "| torch_dist / TCP | tcp / TCP |"
+            )
+            print("|---|---|---|---|---|---|---|")
+            pulls = sorted(result["pulls"].items(), key=lambda kv: int(kv[0]))
+            for _, (nbytes, pull_s, tcp_s, gloo_s) in pulls:
                 raw_s = tcp_seconds(cluster, nbytes, args.reps)
-                print(f"| {nbytes / 1e6:.1f} | {nbytes / pull_s / 1e6:.0f} | {nbytes / gloo_s / 1e6:.0f} | "
-                      f"{nbytes / raw_s / 1e6:.0f} | {100 * raw_s / pull_s:.0f} % |")  # fmt: skip
+                mb_s = [nbytes / s / 1e6 for s in (pull_s, tcp_s, gloo_s, raw_s)]
+                print("| " + " | ".join([f"{nbytes / 1e6:.1f}", *(f"{r:.0f}" for r in mb_s)]) + " | "
+                      f"{100 * raw_s / pull_s:.0f} % | {100 * raw_s / tcp_s:.0f} % |")  # fmt: skip
             if result["latency"]:
                 print()
                 print("\n".join(result["latency"]))

@@ -19,6 +19,7 @@ and preempted (`kvray:num_preemptions_total`).
         [--baseline-src DIR]              # also serve the presets from another kvray tree
         [--external NAME=URL[@MODEL] ...] # e.g. llama.cpp=http://127.0.0.1:8091
         [--rounds N]                      # N rounds, each every row afresh: medians
+        [--model ALIAS]                   # another model: offline, and each preset with it
         [--save FILE.json]
 
 A shared VM's speed drifts 10-30 % between minutes (BENCHMARKS.md), so with `--rounds N`
@@ -43,7 +44,23 @@ from serve_harness import Server, cpu_banner, run_load
 MODEL = "smollm2-135m-instruct"
 
 
-def offline(requests, warm_up, threads: int, max_num_seqs: int | None = None) -> float:
+def with_model(preset: str, model: str) -> str:
+    """`preset` serving `model` instead of its own: a YAML file beside the logs (`preset`
+    itself when it already serves `model`)."""
+    import yaml
+
+    from kvray.router.app import load_config
+
+    config = load_config(preset).model_dump(exclude_unset=True)
+    if config.get("engine", {}).get("model") == model:
+        return preset
+    config.setdefault("engine", {})["model"] = config["model_name"] = model
+    path = Path(f"/tmp/kvray-bench-{Path(preset).stem}-{model}.yaml")
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def offline(model: str, requests, warm_up, threads: int, max_num_seqs: int | None = None) -> float:
     """Useful tok/s of `LLM.generate` on `requests`, after a run of `warm_up` (other prompts:
     the measured ones must not find their prefixes cached, as the served runs do not).
     `max_num_seqs`: how many run at once (None: the engine's default, which takes them all)."""
@@ -51,7 +68,7 @@ def offline(requests, warm_up, threads: int, max_num_seqs: int | None = None) ->
 
     torch.set_num_threads(threads)
     at_once = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-    llm = LLM(model=MODEL, dtype="auto", max_model_len=2048, **at_once)  # as the presets: bf16 where native
+    llm = LLM(model=model, dtype="auto", max_model_len=2048, **at_once)  # as the presets: bf16 where native
 
     def params(rs):
         return [
@@ -137,6 +154,7 @@ def summary_row(name: str, tok_s: list[float], bases: list[float], latency: list
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--model", default=MODEL, help="an alias: offline, and every preset serving it")
     parser.add_argument("--presets", default="smollm2-cpu,smollm2-cpu-pd")
     parser.add_argument("--baseline-src", default=None)
     parser.add_argument("--external", nargs="*", default=[])
@@ -151,12 +169,12 @@ def main() -> None:
 
     from kvray.models.loader import load_tokenizer, resolve_model_path
 
-    vocab = WordVocab(load_tokenizer(resolve_model_path(MODEL)))
+    vocab = WordVocab(load_tokenizer(resolve_model_path(args.model)))
     bases: list[float] = []
     capped: list[float] = []
     results: dict[str, list[dict]] = {}
     servers = [
-        (f"{label} serve {preset}", preset, src)
+        (f"{label} serve {preset}", with_model(preset, args.model), src)
         for preset in args.presets.split(",")
         for label, src in (("kvray", None), ("baseline", args.baseline_src))
         if label == "kvray" or src
@@ -166,26 +184,26 @@ def main() -> None:
         seed = args.seed + 2 * n  # this round's prompts (seed + 1: its warm-up's)
         requests = sample_requests("mix", DatasetArgs(num_prompts=args.num_prompts, seed=seed), vocab)
         warm_up = sample_requests("mix", DatasetArgs(num_prompts=args.max_concurrency, seed=seed + 1), vocab)
-        bases.append(args.offline_tok_s or offline(requests, warm_up, args.threads))
+        bases.append(args.offline_tok_s or offline(args.model, requests, warm_up, args.threads))
         print(f"offline ({args.threads} threads): {bases[-1]:.1f} useful tok/s", flush=True)
         # the same engine held to the clients' concurrency: how much of the gap that alone is
         if not args.offline_tok_s:
-            capped.append(offline(requests, warm_up, args.threads, args.max_concurrency))
+            capped.append(offline(args.model, requests, warm_up, args.threads, args.max_concurrency))
         for name, preset, src in servers:
             label = name.split()[0]
             with Server(preset, src, log=f"/tmp/kvray-bench-{label}-{Path(preset).stem}.log") as server:
-                results.setdefault(name, []).append(served(server.url, MODEL, args, seed))
+                results.setdefault(name, []).append(served(server.url, args.model, args, seed))
             print(row(name, results[name][-1], bases[-1]), flush=True)
         for spec in args.external:
             name, _, rest = spec.partition("=")
             url, _, model = rest.partition("@")
-            results.setdefault(name, []).append(served(url, model or MODEL, args, seed))
+            results.setdefault(name, []).append(served(url, model or args.model, args, seed))
             print(row(name, results[name][-1], bases[-1]), flush=True)
 
     from kvray.engine.dtype import resolve_dtype
 
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    print(f"\n{cpu_banner()}; torch {torch.__version__}; dtype auto -> {dtype}")
+    print(f"\n{cpu_banner()}; torch {torch.__version__}; {args.model}, dtype auto -> {dtype}")
     print(f"load: {args.num_prompts} requests, mix (prompts 32-384, outputs 16-160), ignore_eos, greedy, "
           f"streamed, {args.max_concurrency} concurrent clients, seed {args.seed} + 2 x round; "
           f"{args.rounds} round(s), medians"

@@ -97,7 +97,9 @@ class PoolConfig(_Strict):
 
 
 class KVTransferConfig(_Strict):
-    connector: Literal["torch_dist", "object_store"] = "torch_dist"
+    # torch_dist: gloo / NCCL pair groups; tcp: a socket per pair, received on the worker's
+    # event loop (CPU caches: no thread hand-off per pull); object_store: Ray objects
+    connector: Literal["torch_dist", "object_store", "tcp"] = "torch_dist"
     lease_seconds: float = Field(30.0, gt=0)  # how long prefill keeps a ticket's blocks pinned
     pull_timeout_seconds: float = Field(30.0, gt=0)  # a pull slower than this is given up
 

@@ -26,7 +26,7 @@ from kvray.engine import LLM, SamplingParams  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("connector", ["torch_dist", "object_store"])
+@pytest.mark.parametrize("connector", ["torch_dist", "object_store", "tcp"])
 def test_disaggregated_matches_offline(local_ray, engine_args, offline, offline_llm, connector):
     cluster = deploy(engine_args, connector=connector)
     try:
@@ -69,7 +69,7 @@ def test_short_prompts_prefill_on_the_decode_worker(local_ray, engine_args, offl
 
 @pytest.mark.parametrize(
     "prefill_tp,decode_tp,connector",
-    [(2, 1, "torch_dist"), (2, 1, "object_store"), (1, 2, "torch_dist")],
+    [(2, 1, "torch_dist"), (2, 1, "object_store"), (1, 2, "tcp")],
 )
 def test_unequal_tensor_parallel_pools_reshard_heads(
     local_ray, engine_args, offline, prefill_tp, decode_tp, connector

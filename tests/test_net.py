@@ -75,20 +75,20 @@ def test_pulls_from_a_peer_that_cannot_be_reached_share_one_build_then_fail_at_o
 
     async def scenario():
         first = await asyncio.gather(
-            *(connector.group("prefill-0", Unreachable()) for _ in range(4)), return_exceptions=True
+            *(connector.links.get("prefill-0", Unreachable()) for _ in range(4)), return_exceptions=True
         )
         assert all(isinstance(r, Exception) for r in first)
         assert len(builds) == 1  # one build for the four pulls, not one each in turn
-        with pytest.raises(KVPullError, match="no pair with prefill-0"):
-            await connector.group("prefill-0", Unreachable())
+        with pytest.raises(KVPullError, match="no link to prefill-0"):
+            await connector.links.get("prefill-0", Unreachable())
         assert len(builds) == 1  # failed at once, no new build within the pull timeout
-        connector.failed["prefill-0"] = (0.0, "long ago")  # the timeout has passed
+        connector.links.failed["prefill-0"] = (0.0, "long ago")  # the timeout has passed
         with pytest.raises(RuntimeError):  # gloo's own error, from a new build
-            await connector.group("prefill-0", Unreachable())
+            await connector.links.get("prefill-0", Unreachable())
         assert len(builds) == 2
 
     asyncio.run(scenario())
-    assert connector.building == {} and connector.groups == {}
+    assert connector.links.building == {} and connector.groups == {}
 
 
 def test_the_namespace_harness_reads_tc_rates_and_refuses_bad_names_and_rates():

@@ -24,8 +24,8 @@ def test_presets_validate_and_build(preset, disaggregated):
     # both (one core's memory bandwidth is half the machine's) and the prefill worker one
     assert [p.torch_threads for p in pools] == ([1, 2] if disaggregated else [2])
     assert config.router.num_replicas == 2  # the control plane survives a replica
-    if disaggregated:
-        assert config.kv_transfer.connector == "torch_dist"
+    if disaggregated:  # CPU caches: received on the decode worker's event loop
+        assert config.kv_transfer.connector == "tcp"
     assert build_app(preset) is not None
     assert build_app({"config": preset}) is not None
 
