@@ -113,7 +113,9 @@ def best_matmul_rate(
 def run_kvray(model: str, reqs, args) -> dict:
     from kvray.engine import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=args.dtype, max_model_len=2048, seed=args.seed)
+    llm = LLM(
+        model=model, dtype=args.dtype, max_model_len=2048, seed=args.seed, quantization=args.quantization
+    )
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate(prompts[:4], params[:4])  # warm up
@@ -182,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto", help="kvray's (and vLLM's: the one kvray chose)")
+    parser.add_argument("--quantization", default=None, choices=["int8"], help="kvray's (vLLM: as loaded)")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)

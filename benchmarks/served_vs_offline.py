@@ -176,6 +176,7 @@ def main() -> None:
     servers = [
         (f"{label} serve {preset}", with_model(preset, args.model), src)
         for preset in args.presets.split(",")
+        if preset
         for label, src in (("kvray", None), ("baseline", args.baseline_src))
         if label == "kvray" or src
     ]

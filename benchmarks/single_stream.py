@@ -48,11 +48,14 @@ def step_bytes(llm, context: int) -> tuple[int, int]:
     projections and norms, the final norm and the LM head (the embedding gives one row)."""
     cfg = llm.engine.hf_config
     size = llm.engine.dtype.itemsize
+    layer_size = 1 if llm.engine.config.quantization == "int8" else size  # int8 codes (scales: ~0)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     per_layer = hidden * (q + 2 * kv_width) + q * hidden + 3 * hidden * inter + 2 * hidden
-    weights = (cfg.num_hidden_layers * per_layer + hidden + cfg.vocab_size * hidden) * size
+    norms = 2 * hidden
+    weights = cfg.num_hidden_layers * ((per_layer - norms) * layer_size + norms * size)
+    weights += (hidden + cfg.vocab_size * hidden) * size
     kv = 2 * cfg.num_hidden_layers * kv_width * context * size
     return weights, kv
 
@@ -156,6 +159,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="decode runs, each between two bandwidth runs")
     parser.add_argument("--settle", type=float, default=30.0, help="seconds to wait before measuring")
+    parser.add_argument("--quantization", default=None, choices=["int8"], help="the engine's quantization=")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -169,6 +173,7 @@ def main() -> None:
         max_model_len=2048,
         seed=0,
         enable_prefix_caching=False,
+        quantization=args.quantization,
     )
     vocab = llm.engine.hf_config.vocab_size
     prompt = [(i * 7919) % (vocab - 100) + 50 for i in range(args.prompt_tokens)]
@@ -183,7 +188,9 @@ def main() -> None:
     del buffer
 
     print(
-        cpu_banner(), f"{args.threads} threads; dtype auto -> {str(llm.engine.dtype).removeprefix('torch.')}"
+        cpu_banner(),
+        f"{args.threads} threads; dtype auto -> {str(llm.engine.dtype).removeprefix('torch.')}; "
+        f"quantization={args.quantization}",
     )
     print(
         f"a decode step reads {weights / 1e6:.0f} MB of weights + {kv / 1e6:.1f} MB of K/V "

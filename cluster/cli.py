@@ -16,6 +16,7 @@ def _generate(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="smollm2-135m-instruct")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    gen.add_argument("--quantization", default=None, choices=["int8"], help="weights kept quantized")
     gen.add_argument(
         "--speculative-config",
         default=None,

@@ -15,6 +15,11 @@ from kvray.kernels.kv_quant import KV_CACHE_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 POLICIES = ("fcfs", "priority", "deadline")
+# weights kept quantized (vLLM's `quantization=`): None, the checkpoint's own precision (cast
+# to `dtype`); "int8": every layer's linears quantized at load, weight-only, one symmetric
+# scale per output channel, multiplied by the native CPU kernels (the embedding and the LM
+# head stay in `dtype`)
+QUANTIZATIONS = (None, "int8")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwise
 
 
@@ -23,6 +28,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # auto: bf16 on CUDA (fp16 without bf16); on CPU bf16 only if native, else fp32
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 (any device), fp8_e4m3 (CUDA)
+    quantization: str | None = None  # QUANTIZATIONS
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -59,6 +65,8 @@ class EngineConfig:
             raise InvalidArgumentError("dtype", self.dtype, f"one of {DTYPES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidArgumentError("kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError("quantization", self.quantization, f"one of {list(QUANTIZATIONS)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise InvalidArgumentError("block_size", self.block_size, "one of 8, 16, 32, 64, 128")
         check_range("max_num_seqs", self.max_num_seqs, low=1)

@@ -47,6 +47,7 @@ class LLM:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         speculative_config: dict | None = None,
+        quantization: str | None = None,
         **kwargs,
     ):
         _check_keywords(kwargs)
@@ -64,6 +65,7 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size,
             seed=seed,
             kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
             speculative_config=speculative_config,
             **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
         )

@@ -65,7 +65,7 @@ def load_model(config: EngineConfig, hf_config, model_path, shard: ShardContext 
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = resolve_max_model_len(config, hf_config)
     model = build_model(hf_config, model_path, dtype, device, max_model_len, shard)
-    pack_model(model, dtype, device)  # CPU: weights in oneDNN's layout, packed once
+    pack_model(model, dtype, device, config.quantization)  # CPU: weights packed once
     return model, device, dtype, max_model_len
 
 

@@ -26,7 +26,14 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_ops.c", "cpu_linear.c", "cpu_layer.c")
+    for name in (
+        "cpu_decode.c",
+        "cpu_prefill.c",
+        "cpu_ops.c",
+        "cpu_linear.c",
+        "cpu_linear_q8.c",
+        "cpu_layer.c",
+    )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_decode.h", "cpu_share.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -135,6 +142,9 @@ def library() -> ctypes.CDLL | None:
             (f"kvray_linear_{suffix}", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]),
         ):
             getattr(lib, fn).restype, getattr(lib, fn).argtypes = None, args
+        # int8 weight panels (cpu_linear_q8.c), x and out of this dtype: kvray_linear's arguments
+        fn = getattr(lib, f"kvray_linear_i8_{suffix}")
+        fn.restype, fn.argtypes = None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
     # q, its stride, out, its stride, k and v caches, block tables, their stride, seq_lens,
     # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, threads
     decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]

@@ -23,7 +23,12 @@
 #include "cpu_decode.h"
 #include "cpu_vec.h"
 
-int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
+int64_t kvray_linear_num_panels(int64_t n, int kind);
+/* int8 weights (cpu_linear_q8.c): `kind` 2 (fp32 x and out) and 3 (bf16) beside 0 and 1 */
+#define KIND_I8 2
+int64_t kvray_linear_streams_i8(void);
+void kvray_linear_panels_i8(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias,
+                            void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1);
 
 #define PANEL 16   /* output columns of a panel: two vectors */
 #define MAX_ROWS 6 /* rows of x a tile covers: 12 accumulators of AVX2's 16 registers */
@@ -336,9 +341,11 @@ void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_pane
  * where an item is up to STREAMS_BF16 (bf16) or STREAMS_F32 panels read side by side
  * (tile_bf16_streams, tile_f32_streams), their number a multiple of the threads so that
  * the threads get even shares. */
-int64_t kvray_linear_items(int64_t n, int64_t m, int bf16_io, int32_t num_threads) {
-    const int64_t panels = kvray_linear_num_panels(n, bf16_io);
-    const int64_t streams = bf16_io ? (HAS_STREAMS_BF16 ? STREAMS_MAX_BF16 : 1) : STREAMS_F32;
+int64_t kvray_linear_items(int64_t n, int64_t m, int kind, int32_t num_threads) {
+    const int64_t panels = kvray_linear_num_panels(n, kind);
+    const int64_t streams = kind >= KIND_I8 ? kvray_linear_streams_i8()
+                            : kind          ? (HAS_STREAMS_BF16 ? STREAMS_MAX_BF16 : 1)
+                                               : STREAMS_F32;
     if (m != 1 || streams == 1) return panels;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     int64_t items = (panels + streams - 1) / streams;
@@ -347,11 +354,15 @@ int64_t kvray_linear_items(int64_t n, int64_t m, int bf16_io, int32_t num_thread
 }
 
 /* item i of `items` (kvray_linear_items): panels [i * panels / items, (i + 1) * panels / items) */
-void kvray_linear_item(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias,
+void kvray_linear_item(int kind, const void *x, int64_t x_stride, const void *w_panels, const void *bias,
                        void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i) {
-    const int64_t panels = kvray_linear_num_panels(n, bf16_io);
+    const int64_t panels = kvray_linear_num_panels(n, kind);
     const int64_t p0 = i * panels / items, p1 = (i + 1) * panels / items;
-    if (!bf16_io) {
+    if (kind >= KIND_I8) {
+        kvray_linear_panels_i8(kind & 1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, p0, p1);
+        return;
+    }
+    if (!kind) {
         if (m == 1 && p1 - p0 > 1) {
             const float *b = bias ? (const float *)bias + p0 * PANEL : 0;
             STREAMS_F32_FNS[p1 - p0](x, (const float *)w_panels + p0 * k * PANEL, k, (float *)out + p0 * PANEL, b,
@@ -375,12 +386,12 @@ void kvray_linear_item(int bf16_io, const void *x, int64_t x_stride, const void 
 }
 
 /* the panels of an n-column output (fp32 or bf16 panels) */
-int64_t kvray_linear_num_panels(int64_t n, int bf16_io) {
-    return bf16_io ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL;
+int64_t kvray_linear_num_panels(int64_t n, int kind) {
+    return kind == 1 ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL; /* int8: 16 */
 }
 
 /* the output columns of a panel (the last one's may lie past n) */
-int64_t kvray_linear_panel_cols(int bf16_io) { return bf16_io ? PANEL_BF16 : PANEL; }
+int64_t kvray_linear_panel_cols(int kind) { return kind == 1 ? PANEL_BF16 : PANEL; }
 
 /* A thread's share of a linear's items: [next, end), claimed one at a time by it and, once
  * they have run out of their own, by the other threads (a cache line each) */
@@ -395,9 +406,9 @@ typedef struct {
  * generator), its partner takes over the rest of its share instead of waiting for it at
  * the region's end. Each item is computed once, by whoever claims it, with the same
  * arithmetic: the result does not depend on who did what. */
-static void linear(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
+static void linear(int kind, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
                    int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
-    const int64_t items = kvray_linear_items(n, m, bf16_io, num_threads);
+    const int64_t items = kvray_linear_items(n, m, kind, num_threads);
     const int32_t teams = num_threads > 0 ? num_threads : 1;
     Claims claims[teams];
     for (int32_t t = 0; t < teams; t++) {
@@ -412,7 +423,7 @@ static void linear(int bf16_io, const void *x, int64_t x_stride, const void *w_p
         for (int32_t v = 0; v < teams; v++) {
             Claims *c = &claims[(self + v) % teams];
             for (int64_t i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->end;)
-                kvray_linear_item(bf16_io, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
+                kvray_linear_item(kind, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
         }
     }
 }
@@ -425,4 +436,15 @@ void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, c
 void kvray_linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_panels, const bf16 *bias, bf16 *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
     linear(1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
+}
+
+/* int8 panels (cpu_linear_q8.c): x, bias and out fp32 or bf16 */
+void kvray_linear_i8_f32(const float *x, int64_t x_stride, const void *w_panels, const float *bias, float *out,
+                         int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
+    linear(KIND_I8, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
+}
+
+void kvray_linear_i8_bf16(const bf16 *x, int64_t x_stride, const void *w_panels, const bf16 *bias, bf16 *out,
+                          int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
+    linear(KIND_I8 + 1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
 }

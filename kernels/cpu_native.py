@@ -23,7 +23,8 @@ import torch
 
 from kvray.kernels.cpu_build import cpu_flags, library
 
-PANEL = {torch.float32: 16, torch.bfloat16: 32}  # output columns of a panel (kernels/cpu_linear.c)
+# output columns of a panel (kernels/cpu_linear.c; int8 codes: cpu_linear_q8.c)
+PANEL = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 16}
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
@@ -250,7 +251,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class Panels(NamedTuple):
     """A linear's weight [n, k] in kernels/cpu_linear.c's layout: fp32 [ceil(n / 16), k, 16],
-    bf16 [ceil(n / 32), k / 2, 32, 2]."""
+    bf16 [ceil(n / 32), k / 2, 32, 2]; int8 codes (`quantization="int8"`, kernels/
+    cpu_linear_q8.c) [ceil(n / 16), 16 k + 64] bytes: each panel's codes [k][16], then its
+    16 columns' fp32 scales."""
 
     data: torch.Tensor
     n: int
@@ -272,6 +275,33 @@ def to_panels(weight: torch.Tensor) -> Panels | None:
     return Panels(padded.view(-1, width, k // 2, 2).transpose(1, 2).contiguous(), n, k)
 
 
+def to_panels_int8(weight: torch.Tensor) -> Panels:
+    """The weight [n, k] quantized per output channel (symmetric: scale = max |w| / 127,
+    codes rounded half away from zero, as the 8-bit KV cache's) into int8 panels."""
+    from kvray.kernels.kv_quant import QUANTS, quantize
+
+    n, k = weight.shape
+    width = PANEL[torch.int8]
+    codes, scales = quantize(weight.detach(), QUANTS["int8"])
+    panels = -(-n // width)
+    padded = torch.zeros(panels * width, k, dtype=torch.int8)
+    padded[:n] = codes
+    padded_scales = torch.zeros(panels * width, dtype=torch.float32)
+    padded_scales[:n] = scales
+    data = torch.empty(panels, width * k + width * 4, dtype=torch.int8)
+    data[:, : width * k] = padded.view(panels, width, k).transpose(1, 2).reshape(panels, width * k)
+    data[:, width * k :] = padded_scales.view(panels, width).view(torch.int8)
+    return Panels(data, n, k)
+
+
+def dequantized(panels: Panels) -> torch.Tensor:
+    """The fp32 weight [n, k] int8 panels stand for (codes x scales): tests' reference."""
+    width, k = PANEL[torch.int8], panels.k
+    codes = panels.data[:, : width * k].reshape(-1, k, width).transpose(1, 2).reshape(-1, k)
+    scales = panels.data[:, width * k :].contiguous().view(torch.float32).reshape(-1)
+    return (codes.float() * scales[:, None])[: panels.n]
+
+
 def takes_every_step(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the panels take every step's rows of this dtype here: then a layer needs no
     other copy of its weight (models/cpu_linear.py)."""
@@ -280,12 +310,13 @@ def takes_every_step(dtype: torch.dtype, device: torch.device) -> bool:
 
 def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:
     """Whether `linear` takes x [rows, k]: at most PANEL_ROWS CPU rows of the panels'
-    dtype and width."""
+    dtype and width (int8 panels: any rows of fp32 or bf16, they are the weight's only copy)."""
+    int8 = panels is not None and panels.data.dtype == torch.int8
     return (
         panels is not None
         and x.dim() == 2
-        and x.dtype == panels.data.dtype
-        and x.shape[0] <= PANEL_ROWS[x.dtype]
+        and (x.dtype == panels.data.dtype or int8 and x.dtype in DTYPES)
+        and (int8 or x.shape[0] <= PANEL_ROWS[x.dtype])
         and x.shape[1] == panels.k
         and usable(x)
     )
@@ -297,7 +328,8 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
     rows, k = x.shape
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == panels.n)
     out = torch.empty(rows, panels.n, dtype=x.dtype)
-    getattr(library(), f"kvray_linear_{dtype_suffix(x.dtype)}")(
+    weights = "i8_" if panels.data.dtype == torch.int8 else ""
+    getattr(library(), f"kvray_linear_{weights}{dtype_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),
         panels.data.data_ptr(),

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvray.errors import InvalidArgumentError
 from kvray.kernels import cpu_native
 from kvray.kernels.cpu_memory import huge_page_zeros, release_freed_memory
 
@@ -54,8 +55,12 @@ def linear(
         return F.linear(x, weight, bias)
     # the panels are the weight's only copy (they take every step here): x of another
     # shape or layout goes through them as rows
-    rows = x.reshape(-1, x.shape[-1]).to(panels.data.dtype).contiguous()
-    return cpu_native.linear(rows, panels, bias).to(x.dtype).view(*x.shape[:-1], panels.n)
+    dtype = panels.data.dtype
+    if dtype == torch.int8:  # int8 codes take fp32 or bf16 rows
+        dtype = x.dtype if x.dtype in cpu_native.DTYPES else torch.float32
+    rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    out = cpu_native.linear(rows, panels, None if bias is None else bias.to(dtype))
+    return out.to(x.dtype).view(*x.shape[:-1], panels.n)
 
 
 @functools.cache
@@ -99,10 +104,14 @@ def weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, cpu_native
     return pack_weight(weight), panels
 
 
-def pack_layer(layer: nn.Module) -> None:
+def pack_layer(layer: nn.Module, quantization: str | None = None) -> None:
     """layer.packed, layer.panels = its weight's copies (`weight_copies`); the dense
-    `layer.weight` goes once they serve every step (oneDNN's copy, or the panels alone)."""
+    `layer.weight` goes once they serve every step (oneDNN's copy, or the panels alone).
+    `quantization="int8"`: int8 panels are the weight's only copy (every step's rows)."""
     weight = layer.weight
+    if quantization == "int8":
+        layer.packed, layer.panels, layer.weight = None, cpu_native.to_panels_int8(weight), None
+        return
     layer.packed, layer.panels = weight_copies(weight)
     if (
         layer.packed is not None
@@ -112,21 +121,31 @@ def pack_layer(layer: nn.Module) -> None:
         layer.weight = None
 
 
-def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def pack_model(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+) -> int:
     """Pack every layer that can (modules with `pack_for_cpu`); returns how many did. Where
     oneDNN does not take the dtype (bf16 on a CPU without AVX-512) the native panels still
-    do, beside the dense weights."""
+    do, beside the dense weights. `quantization` (engine/config.py QUANTIZATIONS) needs the
+    native kernels on a CPU: else an InvalidArgumentError naming it."""
+    if quantization is not None and not cpu_native.takes(dtype, device):
+        raise InvalidArgumentError(
+            "quantization", quantization, "None here (int8 weights run on the native CPU kernels: a CPU "
+            "with a C compiler, KVRAY_NATIVE_KERNELS not 0)"
+        )  # fmt: skip
     if not (can_pack(dtype, device) or cpu_native.takes(dtype, device)):
         return 0
     packed = 0
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu()
+                module.pack_for_cpu(quantization)
                 packed += 1
     native = gather_panels(model) > 0
     name = str(dtype).removeprefix("torch.")
-    if native and cpu_native.takes_every_step(dtype, device):
+    if quantization is not None:
+        how = f"quantized to {quantization} (native panels; the embedding and LM head in {name})"
+    elif native and cpu_native.takes_every_step(dtype, device):
         how = "held once, in the native panels (they take every step)"
     else:
         rows = cpu_native.PANEL_ROWS.get(dtype, 0)

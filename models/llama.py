@@ -208,8 +208,10 @@ class LlamaForCausalLM(nn.Module):
         width = -(-self.config.vocab_size // self.shard.tp_size)
         return self.shard.all_gather_last(logits, width)[:, : self.config.vocab_size].float()
 
-    def pack_for_cpu(self) -> None:
-        """The LM head's packed copy (the embedding keeps its rows: a tied head shares them)."""
+    def pack_for_cpu(self, quantization: str | None = None) -> None:
+        """The LM head's packed copy (the embedding keeps its rows: a tied head shares them).
+        The head stays in the model's dtype under any `quantization` (its logits pick the
+        token: the most sensitive matmul, and a tied head's rows are the embedding's)."""
         if self.shard.spec.is_last_stage:
             head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
             self.packed_head, self.panels_head = weight_copies(head.weight)
