@@ -110,3 +110,13 @@ def test_int8_linears_hold_a_quarter_of_their_fp32_bytes_and_bad_values_name_the
     assert held < 0.26 * fp32
     with pytest.raises(InvalidArgumentError, match="quantization.*int8"):
         LLM(model="smollm2-135m-instruct", quantization="int4")
+
+
+def test_int8_without_the_native_kernels_is_an_error_naming_the_field(monkeypatch):
+    from kvray.errors import InvalidArgumentError
+    from kvray.models import cpu_linear
+
+    monkeypatch.setattr(cpu_native, "takes", lambda dtype, device: False)  # no compiler here, say
+    with pytest.raises(InvalidArgumentError, match="quantization.*native CPU kernels"):
+        cpu_linear.pack_model(torch.nn.Linear(4, 4), torch.float32, torch.device("cpu"), "int8")
+    assert cpu_linear.pack_model(torch.nn.Linear(4, 4), torch.float32, torch.device("cpu")) == 0
