@@ -33,7 +33,7 @@ class DecodeShape(ctypes.Structure):
         for name in (
             "hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "kv_int8",
         )
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("int8_weights", ctypes.c_int32)]  # fmt: skip
 
 
 class Head(ctypes.Structure):

@@ -52,6 +52,7 @@ typedef struct {
     int32_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
     int32_t kv_int8; /* the caches hold int8 codes, each row's fp32 scale after them (kernels/kv_quant.py) */
     float eps, scale;
+    int32_t int8_weights; /* the four linears' panels hold int8 codes (cpu_linear_q8.c); the head not */
 } DecodeShape;
 
 /* The model's final norm and LM head, where a step ends in its logits (kvray_decode_step_*) */
@@ -316,9 +317,10 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                               hidden};
     int64_t per_layer = 0, parts_total = 0, flags_total = 0;
     for (size_t j = 0; j < sizeof widths / sizeof widths[0]; j++) per_layer += widths[j] * rows * size;
-    const int64_t items_qkv = kvray_linear_items(qkv_width, rows, bf16_io, num_threads);
-    const int64_t items_hidden = kvray_linear_items(hidden, rows, bf16_io, num_threads); /* o and down */
-    const int64_t items_gu = kvray_linear_items(2 * inter, rows, bf16_io, num_threads);
+    const int lin = bf16_io | (sh->int8_weights ? 2 : 0); /* the layers' linears' kind (cpu_linear.c) */
+    const int64_t items_qkv = kvray_linear_items(qkv_width, rows, lin, num_threads);
+    const int64_t items_hidden = kvray_linear_items(hidden, rows, lin, num_threads); /* o and down */
+    const int64_t items_gu = kvray_linear_items(2 * inter, rows, lin, num_threads);
     /* then the last layer's r + z (normed for the head where there is one), then the head */
     const int64_t num_shares = PHASES * num_layers + 2;
     const int64_t items_head = head ? kvray_linear_items(head->n, rows, bf16_io, num_threads) : 0;
@@ -378,7 +380,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
                                        l->input_norm, hidden, sh->eps};
             RUN_PHASE(0, norm_item, &norm_in);
-            const LinearPhase qkv = {bf16_io, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden, items_qkv};
+            const LinearPhase qkv = {lin, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden, items_qkv};
             RUN_PHASE(1, linear_item, &qkv);
             const RopePhase rope = {bf16_io, b->qkv, b->qk, sh, l, cos, sin, slots};
             RUN_PHASE(2, rope_item, &rope);
@@ -387,17 +389,17 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                                        sh->num_q_heads, quant, bf16_io};
             RUN_PHASE(3, attend_item, &attend);
             RUN_PHASE(4, merge_item, &attend);
-            const LinearPhase o = {bf16_io, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width, items_hidden};
+            const LinearPhase o = {lin, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width, items_hidden};
             RUN_PHASE(5, linear_item, &o);
             /* r = x_in + y, h2 = RMSNorm(r) */
             const NormPhase norm_post = {bf16_io, b->x_in, b->y, b->r, b->h2, l->post_norm, hidden, sh->eps};
             RUN_PHASE(6, norm_item, &norm_post);
-            const LinearPhase gate_up = {bf16_io, b->h2, l->gate_up, l->gate_up_bias, b->gu,
+            const LinearPhase gate_up = {lin, b->h2, l->gate_up, l->gate_up_bias, b->gu,
                                          rows,    2 * inter, hidden,           items_gu};
             RUN_PHASE(7, linear_item, &gate_up);
             const SiluPhase silu = {bf16_io, b->gu, b->act, inter};
             RUN_PHASE(8, silu_item, &silu);
-            const LinearPhase down = {bf16_io, b->act, l->down, l->down_bias, b->z, rows, hidden, inter, items_hidden};
+            const LinearPhase down = {lin, b->act, l->down, l->down_bias, b->z, rows, hidden, inter, items_hidden};
             RUN_PHASE(9, linear_item, &down);
         }
         /* x = the last layer's r + z; with a head, head_in = the final RMSNorm of x, then the

@@ -54,6 +54,7 @@ class NativeDecode:
             kv_int8=kv_caches[0].k_scale is not None,
             eps=first.input_layernorm.eps,
             scale=attn.scale,
+            int8_weights=attn.qkv_proj.panels.data.dtype == torch.int8,
         )
         self.layers = (cpu_fused.DecodeLayer * len(model.layers))()
         for entry, layer, kv in zip(self.layers, model.layers, kv_caches):
@@ -77,11 +78,13 @@ class NativeDecode:
         dtype = model.layers[0].input_layernorm.weight.dtype
         if not cpu_native.takes(dtype, model.layers[0].input_layernorm.weight.device):
             return False
+        first = model.layers[0].self_attn.qkv_proj.panels
+        weights = torch.int8 if first is not None and first.data.dtype == torch.int8 else dtype  # all alike
         for layer, kv in zip(model.layers, kv_caches):
             a, mlp = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(lin.panels is None or lin.panels.data.dtype != dtype for lin in linears):
+            if any(lin.panels is None or lin.panels.data.dtype != weights for lin in linears):
                 return False
             biases = [lin.bias for lin in linears if lin.bias is not None]
             if any(b.dtype != dtype or not b.is_contiguous() for b in biases):
