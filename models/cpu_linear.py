@@ -47,6 +47,8 @@ def linear(
 ) -> torch.Tensor:
     """x W^T (+ b): through the native panels where they take the rows (`PANEL_ROWS`),
     else through the packed weight when there is one."""
+    if int8_dense(x, panels):
+        return F.linear(x, cpu_native.dequantized(panels).to(x.dtype), bias)
     if cpu_native.takes_linear(x, panels):
         return cpu_native.linear(x, panels, bias)
     if packed is not None:
@@ -61,6 +63,23 @@ def linear(
     rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     out = cpu_native.linear(rows, panels, None if bias is None else bias.to(dtype))
     return out.to(x.dtype).view(*x.shape[:-1], panels.n)
+
+
+# Prompt chunks of int8 panels: above this many rows the weight is de-quantized for the
+# call (a pass over n x k codes, ~1 % of the matmul's work at 512 rows) and multiplied by
+# oneDNN, whose bf16/fp32 kernels beat the int8 panels' fp32 FMAs at wide batches; decode
+# steps (the fused step takes up to 64 rows) read the codes themselves.
+INT8_DENSE_ROWS = 64
+
+
+def int8_dense(x: torch.Tensor, panels: cpu_native.Panels | None) -> bool:
+    """Whether `linear` multiplies x by the de-quantized weight (see INT8_DENSE_ROWS)."""
+    return (
+        panels is not None
+        and panels.data.dtype == torch.int8
+        and x.dtype in cpu_native.DTYPES
+        and x.numel() > INT8_DENSE_ROWS * x.shape[-1]
+    )
 
 
 @functools.cache

@@ -120,3 +120,20 @@ def test_int8_without_the_native_kernels_is_an_error_naming_the_field(monkeypatc
     with pytest.raises(InvalidArgumentError, match="quantization.*native CPU kernels"):
         cpu_linear.pack_model(torch.nn.Linear(4, 4), torch.float32, torch.device("cpu"), "int8")
     assert cpu_linear.pack_model(torch.nn.Linear(4, 4), torch.float32, torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_chunks_multiply_the_dequantized_weight(dtype):
+    """Above INT8_DENSE_ROWS rows a layer multiplies its de-quantized weight (oneDNN):
+    the same float64 reference, for a prompt chunk's rows in the model's layout [1, T, k]."""
+    from kvray.models import cpu_linear
+
+    torch.manual_seed(5)
+    panels = cpu_native.to_panels_int8(torch.randn(300, 256))
+    x = torch.randn(1, cpu_linear.INT8_DENSE_ROWS + 36, 256).to(dtype)
+    bias = torch.randn(300).to(dtype)
+    assert cpu_linear.int8_dense(x, panels) and not cpu_linear.int8_dense(x[:, :64], panels)
+    got = cpu_linear.linear(x, None, bias, None, panels)
+    want = x.double() @ cpu_native.dequantized(panels).double().T + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # bf16: the weight rounded to bf16, then the output
+    assert got.shape == (1, 100, 300) and (got.double() - want).abs().max() <= tol * want.abs().max()
