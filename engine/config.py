@@ -17,8 +17,8 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 POLICIES = ("fcfs", "priority", "deadline")
 # weights kept quantized (vLLM's `quantization=`): None, the checkpoint's own precision (cast
 # to `dtype`); "int8": every layer's linears quantized at load, weight-only, one symmetric
-# scale per output channel, multiplied by the native CPU kernels (the embedding and the LM
-# head stay in `dtype`)
+# scale per output channel, multiplied by the native CPU kernels (the LM head too; the
+# embedding's rows stay in `dtype`)
 QUANTIZATIONS = (None, "int8")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwise
 

@@ -42,6 +42,7 @@ class Head(ctypes.Structure):
     _fields_ = [
         ("norm", ctypes.c_void_p), ("panels", ctypes.c_void_p),
         ("n", ctypes.c_int64), ("logits", ctypes.c_void_p), ("argmax", ctypes.c_void_p),
+        ("int8_weights", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -119,11 +120,12 @@ def decode_step(
     cos, sin = rope
     x = torch.empty(rows, shape.hidden, dtype=embed.dtype)  # the residual stream, scratch here
     norm, panels = head
-    assert norm.dtype == panels.data.dtype == embed.dtype and norm.is_contiguous()
+    int8 = panels.data.dtype == torch.int8  # the head's int8 panels (quantization="int8")
+    assert norm.dtype == embed.dtype and (int8 or panels.data.dtype == embed.dtype) and norm.is_contiguous()
     assert panels.k == shape.hidden
     out = StepLogits(torch.empty(rows, panels.n, dtype=torch.float32), torch.empty(rows, dtype=torch.int64))
     ptrs = (out.logits.data_ptr(), out.argmax.data_ptr())
-    ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, *ptrs))
+    ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, *ptrs, int8))
     status = getattr(library(), f"kvray_decode_step_{dtype_suffix(embed.dtype)}")(
         ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), rows,
         embed.data_ptr(), embed.shape[0], (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],

@@ -62,6 +62,7 @@ typedef struct {
     int64_t n;          /* the head's outputs (the vocabulary) */
     float *logits;      /* out: [rows, n] fp32, each the head's output in the model's dtype, widened */
     int64_t *argmax;    /* out: [rows], each row's greedy token (as torch.argmax of logits), or NULL */
+    int32_t int8_weights; /* the panels hold int8 codes (cpu_linear_q8.c) */
 } Head;
 
 /* from kernels/cpu_ops.c and kernels/cpu_linear.c */
@@ -73,11 +74,11 @@ void kvray_rotary_row_f32(const float *, float *, int64_t, int64_t, const float 
 void kvray_rotary_row_bf16(const bf16 *, bf16 *, int64_t, int64_t, const float *, const float *);
 void kvray_silu_mul_row_f32(const float *, const float *, float *, int64_t);
 void kvray_silu_mul_row_bf16(const bf16 *, const bf16 *, bf16 *, int64_t);
-int64_t kvray_linear_items(int64_t n, int64_t m, int bf16_io, int32_t num_threads);
-void kvray_linear_item(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
+int64_t kvray_linear_items(int64_t n, int64_t m, int kind, int32_t num_threads);
+void kvray_linear_item(int kind, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i);
-int64_t kvray_linear_num_panels(int64_t n, int bf16_io);
-int64_t kvray_linear_panel_cols(int bf16_io);
+int64_t kvray_linear_num_panels(int64_t n, int kind);
+int64_t kvray_linear_panel_cols(int kind);
 int64_t kvray_argmax_row_f32(const float *x, int64_t n);
 
 int64_t kvray_share_redo_ns = 50000;
@@ -111,7 +112,7 @@ double kvray_phase_seconds[PHASES];
 /* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a range of
  * neighbouring panels (kvray_linear_items: one, or at one bf16 row several read at once) */
 typedef struct {
-    int bf16_io;
+    int kind; /* cpu_linear.c's: bf16 x and out in bit 0, int8 weight panels in bit 1 */
     const void *x, *w, *b;
     void *out;
     int64_t m, n, k, items;
@@ -120,7 +121,7 @@ typedef struct {
 static void linear_item(const void *phase, void *scratch, int64_t i) {
     const LinearPhase *c = phase;
     (void)scratch;
-    kvray_linear_item(c->bf16_io, c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, c->items, i);
+    kvray_linear_item(c->kind, c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, c->items, i);
 }
 
 /* the LM head's item i (a range of its panels, as linear_item), then, in bf16, its columns
@@ -137,12 +138,12 @@ static void head_item(const void *phase, void *scratch, int64_t i) {
     const HeadPhase *c = phase;
     const LinearPhase *l = &c->linear;
     linear_item(l, scratch, i);
-    const int64_t panels = kvray_linear_num_panels(l->n, l->bf16_io), cols = kvray_linear_panel_cols(l->bf16_io);
+    const int64_t panels = kvray_linear_num_panels(l->n, l->kind), cols = kvray_linear_panel_cols(l->kind);
     const int64_t first = i * panels / l->items * cols, end = (i + 1) * panels / l->items * cols;
     const int64_t last = end < l->n ? end : l->n;
     for (int64_t r = 0; r < l->m; r++) {
         float *row = c->logits + r * l->n;
-        if (l->bf16_io) /* fp32: linear_item wrote the logits themselves */
+        if (l->kind & 1) /* fp32: linear_item wrote the logits themselves */
             for (int64_t col = first; col < last; col++) row[col] = bf16_to_f32(((const bf16 *)l->out)[r * l->n + col]);
         if (c->best) c->best[i * l->m + r] = first + kvray_argmax_row_f32(row + first, last - first);
     }
@@ -323,7 +324,8 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     const int64_t items_gu = kvray_linear_items(2 * inter, rows, lin, num_threads);
     /* then the last layer's r + z (normed for the head where there is one), then the head */
     const int64_t num_shares = PHASES * num_layers + 2;
-    const int64_t items_head = head ? kvray_linear_items(head->n, rows, bf16_io, num_threads) : 0;
+    const int head_kind = bf16_io | (head && head->int8_weights ? 2 : 0);
+    const int64_t items_head = head ? kvray_linear_items(head->n, rows, head_kind, num_threads) : 0;
     Share *shares = aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
     memset(shares, 0, sizeof(Share) * num_shares);
     for (int32_t i = 0; i < num_layers; i++) {
@@ -408,7 +410,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         if (head) {
             const NormPhase norm_out = {bf16_io, last->r, last->z, x, head_in, head->norm, hidden, sh->eps};
             share_run(&shares[num_shares - 2], norm_item, &norm_out, &scratch);
-            const HeadPhase logits = {{bf16_io, head_in, head->panels, 0, head_out, rows, head->n, hidden, items_head},
+            const HeadPhase logits = {{head_kind, head_in, head->panels, 0, head_out, rows, head->n, hidden, items_head},
                                       head->logits, head_best};
             share_run(&shares[num_shares - 1], head_item, &logits, &scratch);
             if (head_best && omp_get_thread_num() == 0) head_argmax(&logits, head->argmax);

@@ -163,7 +163,7 @@ def pack_model(
     native = gather_panels(model) > 0
     name = str(dtype).removeprefix("torch.")
     if quantization is not None:
-        how = f"quantized to {quantization} (native panels; the embedding and LM head in {name})"
+        how = f"quantized to {quantization} (native panels, the LM head too; the embedding in {name})"
     elif native and cpu_native.takes_every_step(dtype, device):
         how = "held once, in the native panels (they take every step)"
     else:

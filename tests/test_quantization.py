@@ -75,11 +75,13 @@ def test_int8_smollm2_gives_transformers_tokens_on_the_same_dequantized_weights(
     from kvray.kernels.kv_quant import QUANTS, dequantize, quantize
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    with torch.no_grad():  # every layer's linears as kvray holds them; embedding and head as they are
+    with torch.no_grad():  # every layer's linears and the head as kvray holds them; the embedding as it is
         for layer in hf.model.layers:
             for lin in (*layer.self_attn.children(), *layer.mlp.children()):
                 if isinstance(lin, torch.nn.Linear):
                     lin.weight.copy_(dequantize(*quantize(lin.weight, QUANTS["int8"])))
+        head = dequantize(*quantize(hf.lm_head.weight, QUANTS["int8"]))
+        hf.lm_head.weight = torch.nn.Parameter(head)  # untied: the embedding keeps its rows
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a town by the sea,"]
     prompts = [tok(t).input_ids for t in texts]
