@@ -48,14 +48,14 @@ def step_bytes(llm, context: int) -> tuple[int, int]:
     projections and norms, the final norm and the LM head (the embedding gives one row)."""
     cfg = llm.engine.hf_config
     size = llm.engine.dtype.itemsize
-    layer_size = 1 if llm.engine.config.quantization == "int8" else size  # int8 codes (scales: ~0)
+    layer_size = 1 if llm.engine.config.quantization == "int8" else size  # int8 codes (scales: ~0), head too
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     per_layer = hidden * (q + 2 * kv_width) + q * hidden + 3 * hidden * inter + 2 * hidden
     norms = 2 * hidden
     weights = cfg.num_hidden_layers * ((per_layer - norms) * layer_size + norms * size)
-    weights += (hidden + cfg.vocab_size * hidden) * size
+    weights += hidden * size + cfg.vocab_size * hidden * layer_size  # the final norm, the head
     kv = 2 * cfg.num_hidden_layers * kv_width * context * size
     return weights, kv
 
