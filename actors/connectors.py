@@ -284,9 +284,7 @@ class TorchDistConnector(KVConnector):
 
     async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
         """The source is told by a Ray call to send; the piece comes on the pair's data group."""
-        (layers, heads), n = dst, len(dst_blocks)
-        shape = (len(layers), 2, n, kv_cache.shape[3], len(heads), kv_cache.shape[5])
-        buf = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+        buf = piece_buffer(kv_cache, dst, len(dst_blocks), kv_cache.device)
         timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
         try:
             groups = await self.links.get(source_id, source)
@@ -303,6 +301,13 @@ class TorchDistConnector(KVConnector):
             self._forget(source_id)
             raise KVPullError(f"torch_dist piece from {source_id} failed: {e!r}") from e
         return buf.numel() * buf.element_size()
+
+
+def piece_buffer(kv_cache: torch.Tensor, dst: tuple[range, range], num_blocks: int, device) -> torch.Tensor:
+    """An empty buffer for a multi-shard piece: layers x heads `dst` of `num_blocks` blocks."""
+    layers, heads = dst
+    shape = (len(layers), 2, num_blocks, kv_cache.shape[3], len(heads), kv_cache.shape[5])
+    return torch.empty(shape, dtype=kv_cache.dtype, device=device)
 
 
 def check_start(start_by: float, source_id: str) -> None:

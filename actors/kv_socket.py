@@ -28,8 +28,9 @@ import threading
 
 import torch
 
-from kvray.actors.connectors import KVConnector, KVPullError, KVSource, PeerLinks, check_start
+from kvray.actors.connectors import KVConnector, KVPullError, KVSource, PeerLinks, check_start, piece_buffer
 from kvray.engine.kv_transfer import layer_chunks, pack_blocks, unpack_blocks
+from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +169,12 @@ class SocketConnector(KVConnector):
 
     async def _connect(self, peer_id: str, peer) -> socket.socket:
         timeout = self.config.pull_timeout_seconds
-        host, port = await asyncio.wait_for(_ref(peer.kv_socket_address.remote()), timeout)
+        host, port = await wait_for(peer.kv_socket_address.remote(), timeout)
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (host, port)), timeout)
+            await wait_for(asyncio.get_running_loop().sock_connect(sock, (host, port)), timeout)
         except BaseException:
             sock.close()
             raise
@@ -182,12 +183,11 @@ class SocketConnector(KVConnector):
     async def _exchange(self, peer_id: str, peer, request: dict, receive) -> int:
         """Send `request` on the peer's connection and run `receive(sock, count)`; any
         failure or cancel mid-way closes the connection (the stream is out of step)."""
+        timeout = self.config.pull_timeout_seconds
         async with self.links.lock(peer_id):
             sock = await self.links.get(peer_id, peer)
             try:
-                return await asyncio.wait_for(
-                    self._roundtrip(sock, request, receive), self.config.pull_timeout_seconds
-                )
+                return await wait_for(self._roundtrip(sock, request, receive), timeout)
             except BaseException:
                 self.links.drop(peer_id, sock.close)
                 raise
@@ -227,9 +227,8 @@ class SocketConnector(KVConnector):
         return moved
 
     async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
-        (layers, heads), n = dst, len(dst_blocks)
-        shape = (len(layers), 2, n, kv_cache.shape[3], len(heads), kv_cache.shape[5])
-        buf = torch.empty(shape, dtype=kv_cache.dtype)
+        layers, heads = dst
+        buf = piece_buffer(kv_cache, dst, len(dst_blocks), "cpu")  # staged through host memory
         (src_layers, src_heads) = src
         request = {
             "blocks": list(src_blocks),
@@ -251,7 +250,3 @@ class SocketConnector(KVConnector):
             raise
         except Exception as e:
             raise KVPullError(f"tcp piece from {source_id} failed: {e!r}") from e
-
-
-async def _ref(ref):
-    return await ref

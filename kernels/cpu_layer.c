@@ -52,7 +52,7 @@ typedef struct {
     int32_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
     int32_t kv_int8; /* the caches hold int8 codes, each row's fp32 scale after them (kernels/kv_quant.py) */
     float eps, scale;
-    int32_t int8_weights; /* the four linears' panels hold int8 codes (cpu_linear_q8.c); the head not */
+    int32_t int8_weights; /* the four linears' panels hold int8 codes (cpu_linear_q8.c); the head: Head's */
 } DecodeShape;
 
 /* The model's final norm and LM head, where a step ends in its logits (kvray_decode_step_*) */

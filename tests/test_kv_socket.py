@@ -49,6 +49,13 @@ def pin(source: KVSource, request_id: str, blocks: list[int]) -> KVTicket:
     return KVTicket("src", request_id, tuple(blocks), n, (), source.layout, time.time() + 60)
 
 
+def pair(layout: KVLayout, num_blocks: int, timeout_s: float):
+    """(source, its peer, a decode-side connector, a zeroed destination cache of num_blocks)."""
+    source = make_source(layout, num_blocks)
+    connector = SocketConnector("dst", KVTransferConfig(pull_timeout_seconds=timeout_s), HOST, "gloo")
+    return source, Peer(source), connector, torch.zeros(layout.packed_shape(num_blocks))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_pull_copies_the_pinned_blocks_exactly_and_counts_the_bytes(dtype):
     layout = KVLayout(30, 16, 3, 64, dtype)  # SmolLM2's: 40 blocks span several layer chunks
@@ -70,10 +77,7 @@ def test_a_pull_copies_the_pinned_blocks_exactly_and_counts_the_bytes(dtype):
 
 def test_pieces_move_given_layers_and_heads_and_a_gone_lease_is_a_pull_error():
     layout = KVLayout(4, 16, 4, 8, "float32")
-    source = make_source(layout, 10)
-    peer = Peer(source)
-    connector = SocketConnector("dst", KVTransferConfig(pull_timeout_seconds=5), HOST, "gloo")
-    dst = torch.zeros(layout.packed_shape(10))
+    source, peer, connector, dst = pair(layout, 10, timeout_s=5)
 
     async def scenario():
         # layers 1-2, heads 2-3 of source blocks [3, 7] into layers 0-1, heads 0-1 of [5, 6]
@@ -97,10 +101,7 @@ def test_pieces_move_given_layers_and_heads_and_a_gone_lease_is_a_pull_error():
 
 def test_a_peer_that_drops_the_connection_fails_the_pull_and_the_next_pull_reconnects():
     layout = KVLayout(2, 16, 1, 8, "float32")
-    source = make_source(layout, 4)
-    peer = Peer(source)
-    connector = SocketConnector("dst", KVTransferConfig(pull_timeout_seconds=2), HOST, "gloo")
-    dst = torch.zeros(layout.packed_shape(4))
+    source, peer, connector, dst = pair(layout, 4, timeout_s=2)
 
     class Dropper:  # accepts, reads the request, closes without answering
         def __init__(self):
