@@ -85,13 +85,22 @@ def _wait_deployed(cluster: NamespaceCluster, timeout_s: float = 600) -> None:
     raise AssertionError(f"not deployed after {timeout_s} s: {text}")
 
 
+def _updater_log(cluster: NamespaceCluster) -> str:
+    """The raylets found per node and the head autoscaler's lines on setting the workers up."""
+    raylets = [cluster.process(n, "raylet") for n in range(cluster.nodes)]
+    logs = sorted((cluster.root / "tmp0").glob("ray/session_*/logs/monitor.out"))
+    lines = logs[-1].read_text(errors="replace").splitlines() if logs else ["(no monitor.out)"]
+    wanted = [line for line in lines if any(w in line for w in ("updater", "NodeUpdater", "Exception", "rror"))]
+    return f"raylet per node: {raylets}\n" + "\n".join(wanted[-30:])
+
+
 def test_ray_up_over_ssh_serves_and_ray_down_removes_it(launched, smollm2_path):
     cluster, config = launched
     _wait_deployed(cluster)
     # every node joined: the head's autoscaler started Ray on the workers over SSH
     deadline = time.monotonic() + 300
     while not all(cluster.process(n, "raylet") for n in range(cluster.nodes)):
-        assert time.monotonic() < deadline, [cluster.process(n, "raylet") for n in range(cluster.nodes)]
+        assert time.monotonic() < deadline, _updater_log(cluster)
         time.sleep(2)
     expected = LLM(model=str(smollm2_path), dtype="auto").generate(
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
