@@ -32,6 +32,8 @@ from collections import defaultdict
 import torch
 from serve_harness import cpu_banner
 
+from kvray.models.cpu_linear import PANEL_ATTRS
+
 
 def read_bandwidth(buffer: torch.Tensor, reps: int = 5) -> float:
     """Bytes per second of the best pass summing `buffer` (fp32, far larger than the caches)."""
@@ -45,17 +47,22 @@ def read_bandwidth(buffer: torch.Tensor, reps: int = 5) -> float:
 
 def step_bytes(llm, context: int) -> tuple[int, int]:
     """(weight bytes, K/V bytes) one decode step reads at `context` tokens: every layer's
-    projections and norms, the final norm and the LM head (the embedding gives one row)."""
+    projections and norms, the final norm and the LM head (the embedding gives one row);
+    quantized weights: their panels of codes and scales as built."""
     cfg = llm.engine.hf_config
     size = llm.engine.dtype.itemsize
-    layer_size = 1 if llm.engine.config.quantization == "int8" else size  # int8 codes (scales: ~0), head too
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    per_layer = hidden * (q + 2 * kv_width) + q * hidden + 3 * hidden * inter + 2 * hidden
-    norms = 2 * hidden
-    weights = cfg.num_hidden_layers * ((per_layer - norms) * layer_size + norms * size)
-    weights += hidden * size + cfg.vocab_size * hidden * layer_size  # the final norm, the head
+    norms = (2 * cfg.num_hidden_layers + 1) * hidden * size
+    if llm.engine.config.quantization is not None:
+        model = llm.engine.runner.model
+        weights = norms + sum(
+            getattr(m, a).data.nbytes for m in model.modules() for a in PANEL_ATTRS if getattr(m, a, None)
+        )
+    else:
+        per_layer = hidden * (q + 2 * kv_width) + q * hidden + 3 * hidden * inter
+        weights = norms + (cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden) * size
     kv = 2 * cfg.num_hidden_layers * kv_width * context * size
     return weights, kv
 

@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="smollm2-135m-instruct")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
-    gen.add_argument("--quantization", default=None, choices=["int8"], help="weights kept quantized")
+    gen.add_argument(
+        "--quantization", default=None, choices=["int8", "int4", "gguf"], help="weights kept quantized"
+    )
     gen.add_argument(
         "--speculative-config",
         default=None,

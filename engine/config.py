@@ -18,8 +18,11 @@ POLICIES = ("fcfs", "priority", "deadline")
 # weights kept quantized (vLLM's `quantization=`): None, the checkpoint's own precision (cast
 # to `dtype`); "int8": every layer's linears quantized at load, weight-only, one symmetric
 # scale per output channel, multiplied by the native CPU kernels (the LM head too; the
-# embedding's rows stay in `dtype`)
-QUANTIZATIONS = (None, "int8")
+# embedding's rows stay in `dtype`); "int4": the same, as 4-bit codes with a scale and min
+# per group of 32 (kernels/cpu_groups.py); "gguf": a GGUF model's quantized tensors as the
+# file holds them (models/gguf_groups.py), with activations quantized per group of 16-32
+# values as llama.cpp's kernels do
+QUANTIZATIONS = (None, "int8", "int4", "gguf")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwise
 
 

@@ -32,6 +32,7 @@ SOURCES = [
         "cpu_ops.c",
         "cpu_linear.c",
         "cpu_linear_q8.c",
+        "cpu_linear_qg.c",
         "cpu_layer.c",
     )
 ]
@@ -142,9 +143,11 @@ def library() -> ctypes.CDLL | None:
             (f"kvray_linear_{suffix}", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]),
         ):
             getattr(lib, fn).restype, getattr(lib, fn).argtypes = None, args
-        # int8 weight panels (cpu_linear_q8.c), x and out of this dtype: kvray_linear's arguments
-        fn = getattr(lib, f"kvray_linear_i8_{suffix}")
-        fn.restype, fn.argtypes = None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+        # int8 weight panels (cpu_linear_q8.c) and grouped low-bit codes (cpu_linear_qg.c),
+        # x and out of this dtype: kvray_linear's arguments
+        for weights in ("i8", "q"):
+            fn = getattr(lib, f"kvray_linear_{weights}_{suffix}")
+            fn.restype, fn.argtypes = None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
     # q, its stride, out, its stride, k and v caches, block tables, their stride, seq_lens,
     # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, threads
     decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]
@@ -170,4 +173,5 @@ def library() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, prefill_args
     lib.kvray_argmax_f32.restype, lib.kvray_argmax_f32.argtypes = None, [ptr, i64, i64, i64, ptr, i32]
     lib.kvray_set_share_redo_ns.restype, lib.kvray_set_share_redo_ns.argtypes = i64, [i64]
+    lib.kvray_linear_q_native.restype, lib.kvray_linear_q_native.argtypes = i32, []
     return lib

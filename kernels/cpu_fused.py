@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from kvray.kernels.cpu_build import library
-from kvray.kernels.cpu_native import DTYPES, Panels, dtype_suffix
+from kvray.kernels.cpu_native import DTYPES, Panels, dtype_suffix, weight_codes
 
 
 class DecodeLayer(ctypes.Structure):
@@ -33,7 +33,7 @@ class DecodeShape(ctypes.Structure):
         for name in (
             "hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "kv_int8",
         )
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("int8_weights", ctypes.c_int32)]  # fmt: skip
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("weight_codes", ctypes.c_int32)]  # fmt: skip
 
 
 class Head(ctypes.Structure):
@@ -42,7 +42,7 @@ class Head(ctypes.Structure):
     _fields_ = [
         ("norm", ctypes.c_void_p), ("panels", ctypes.c_void_p),
         ("n", ctypes.c_int64), ("logits", ctypes.c_void_p), ("argmax", ctypes.c_void_p),
-        ("int8_weights", ctypes.c_int32),
+        ("weight_codes", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -120,12 +120,12 @@ def decode_step(
     cos, sin = rope
     x = torch.empty(rows, shape.hidden, dtype=embed.dtype)  # the residual stream, scratch here
     norm, panels = head
-    int8 = panels.data.dtype == torch.int8  # the head's int8 panels (quantization="int8")
-    assert norm.dtype == embed.dtype and (int8 or panels.data.dtype == embed.dtype) and norm.is_contiguous()
+    codes = weight_codes(panels)  # the head's panels of codes (quantization=)
+    assert norm.dtype == embed.dtype and (codes or panels.data.dtype == embed.dtype) and norm.is_contiguous()
     assert panels.k == shape.hidden
     out = StepLogits(torch.empty(rows, panels.n, dtype=torch.float32), torch.empty(rows, dtype=torch.int64))
     ptrs = (out.logits.data_ptr(), out.argmax.data_ptr())
-    ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, *ptrs, int8))
+    ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, *ptrs, codes))
     status = getattr(library(), f"kvray_decode_step_{dtype_suffix(embed.dtype)}")(
         ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), rows,
         embed.data_ptr(), embed.shape[0], (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],

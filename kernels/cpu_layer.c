@@ -52,7 +52,8 @@ typedef struct {
     int32_t hidden, num_q_heads, num_kv_heads, head_dim, intermediate, block_size;
     int32_t kv_int8; /* the caches hold int8 codes, each row's fp32 scale after them (kernels/kv_quant.py) */
     float eps, scale;
-    int32_t int8_weights; /* the four linears' panels hold int8 codes (cpu_linear_q8.c); the head: Head's */
+    int32_t weight_codes; /* the four linears' panels: 0 the dtype, 1 int8 codes (cpu_linear_q8.c), 2 grouped
+                           * codes (cpu_linear_qg.c); the head: Head's */
 } DecodeShape;
 
 /* The model's final norm and LM head, where a step ends in its logits (kvray_decode_step_*) */
@@ -62,7 +63,7 @@ typedef struct {
     int64_t n;          /* the head's outputs (the vocabulary) */
     float *logits;      /* out: [rows, n] fp32, each the head's output in the model's dtype, widened */
     int64_t *argmax;    /* out: [rows], each row's greedy token (as torch.argmax of logits), or NULL */
-    int32_t int8_weights; /* the panels hold int8 codes (cpu_linear_q8.c) */
+    int32_t weight_codes; /* as DecodeShape's */
 } Head;
 
 /* from kernels/cpu_ops.c and kernels/cpu_linear.c */
@@ -112,7 +113,7 @@ double kvray_phase_seconds[PHASES];
 /* out = x W^T (+ b): x [m, k], out [m, n], both unit-stride rows; an item is a range of
  * neighbouring panels (kvray_linear_items: one, or at one bf16 row several read at once) */
 typedef struct {
-    int kind; /* cpu_linear.c's: bf16 x and out in bit 0, int8 weight panels in bit 1 */
+    int kind; /* cpu_linear.c's: bf16 x and out in bit 0, the weights' codes (DecodeShape's) above it */
     const void *x, *w, *b;
     void *out;
     int64_t m, n, k, items;
@@ -318,13 +319,13 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                               hidden};
     int64_t per_layer = 0, parts_total = 0, flags_total = 0;
     for (size_t j = 0; j < sizeof widths / sizeof widths[0]; j++) per_layer += widths[j] * rows * size;
-    const int lin = bf16_io | (sh->int8_weights ? 2 : 0); /* the layers' linears' kind (cpu_linear.c) */
+    const int lin = bf16_io | sh->weight_codes << 1; /* the layers' linears' kind (cpu_linear.c) */
     const int64_t items_qkv = kvray_linear_items(qkv_width, rows, lin, num_threads);
     const int64_t items_hidden = kvray_linear_items(hidden, rows, lin, num_threads); /* o and down */
     const int64_t items_gu = kvray_linear_items(2 * inter, rows, lin, num_threads);
     /* then the last layer's r + z (normed for the head where there is one), then the head */
     const int64_t num_shares = PHASES * num_layers + 2;
-    const int head_kind = bf16_io | (head && head->int8_weights ? 2 : 0);
+    const int head_kind = bf16_io | (head ? head->weight_codes << 1 : 0);
     const int64_t items_head = head ? kvray_linear_items(head->n, rows, head_kind, num_threads) : 0;
     Share *shares = aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
     memset(shares, 0, sizeof(Share) * num_shares);

@@ -24,8 +24,19 @@
 #include "cpu_vec.h"
 
 int64_t kvray_linear_num_panels(int64_t n, int kind);
-/* int8 weights (cpu_linear_q8.c): `kind` 2 (fp32 x and out) and 3 (bf16) beside 0 and 1 */
+/* int8 weights (cpu_linear_q8.c): `kind` 2 (fp32 x and out) and 3 (bf16) beside 0 and 1;
+ * grouped low-bit codes (cpu_linear_qg.c): 4 and 5 */
 #define KIND_I8 2
+#define KIND_Q 4
+#define ITEM_PANELS_Q 8 /* an item of grouped codes quantizes its rows: several panels share that */
+int64_t kvray_rows_q_bytes(int64_t m, int64_t k, int group);
+int kvray_linear_q_group(const void *w);
+void kvray_linear_q_quantize(int bf16_x, const void *x, int64_t x_stride, const void *w, int64_t m, int64_t k,
+                             void *buffer);
+void kvray_linear_q_panels(int bf16_io, const void *quantized, const void *w, const void *bias, void *out,
+                           int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1);
+void kvray_linear_q_item(int bf16_io, const void *x, int64_t x_stride, const void *w, const void *bias, void *out,
+                         int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1);
 int64_t kvray_linear_streams_i8(void);
 void kvray_linear_panels_i8(int bf16_io, const void *x, int64_t x_stride, const void *w_panels, const void *bias,
                             void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1);
@@ -343,6 +354,12 @@ void kvray_linear_panel_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_pane
  * the threads get even shares. */
 int64_t kvray_linear_items(int64_t n, int64_t m, int kind, int32_t num_threads) {
     const int64_t panels = kvray_linear_num_panels(n, kind);
+    if (kind >= KIND_Q) { /* any rows: ITEM_PANELS_Q panels an item, the threads' shares even */
+        const int64_t threads = num_threads > 0 ? num_threads : 1;
+        int64_t items = (panels + ITEM_PANELS_Q - 1) / ITEM_PANELS_Q;
+        items = (items + threads - 1) / threads * threads;
+        return items < panels ? items : panels;
+    }
     const int64_t streams = kind >= KIND_I8 ? kvray_linear_streams_i8()
                             : kind          ? (HAS_STREAMS_BF16 ? STREAMS_MAX_BF16 : 1)
                                                : STREAMS_F32;
@@ -358,6 +375,10 @@ void kvray_linear_item(int kind, const void *x, int64_t x_stride, const void *w_
                        void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i) {
     const int64_t panels = kvray_linear_num_panels(n, kind);
     const int64_t p0 = i * panels / items, p1 = (i + 1) * panels / items;
+    if (kind >= KIND_Q) {
+        kvray_linear_q_item(kind & 1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, p0, p1);
+        return;
+    }
     if (kind >= KIND_I8) {
         kvray_linear_panels_i8(kind & 1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, p0, p1);
         return;
@@ -409,6 +430,12 @@ typedef struct {
 static void linear(int kind, const void *x, int64_t x_stride, const void *w_panels, const void *bias, void *out,
                    int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
     const int64_t items = kvray_linear_items(n, m, kind, num_threads);
+    /* grouped codes: x quantized once here, for all the items */
+    void *quantized = kind >= KIND_Q ? malloc(kvray_rows_q_bytes(m, k, kvray_linear_q_group(w_panels))) : 0;
+    if (kind >= KIND_Q) {
+        if (!quantized) abort();
+        kvray_linear_q_quantize(kind & 1, x, x_stride, w_panels, m, k, quantized);
+    }
     const int32_t teams = num_threads > 0 ? num_threads : 1;
     Claims claims[teams];
     for (int32_t t = 0; t < teams; t++) {
@@ -422,10 +449,18 @@ static void linear(int kind, const void *x, int64_t x_stride, const void *w_pane
         const int32_t self = omp_get_thread_num();
         for (int32_t v = 0; v < teams; v++) {
             Claims *c = &claims[(self + v) % teams];
-            for (int64_t i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->end;)
-                kvray_linear_item(kind, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
+            for (int64_t i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->end;) {
+                if (!quantized) {
+                    kvray_linear_item(kind, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
+                    continue;
+                }
+                const int64_t panels = kvray_linear_num_panels(n, kind);
+                kvray_linear_q_panels(kind & 1, quantized, w_panels, bias, out, out_stride, m, n, k,
+                                      i * panels / items, (i + 1) * panels / items);
+            }
         }
     }
+    free(quantized);
 }
 
 void kvray_linear_f32(const float *x, int64_t x_stride, const float *w_panels, const float *bias, float *out,
@@ -447,4 +482,15 @@ void kvray_linear_i8_f32(const float *x, int64_t x_stride, const void *w_panels,
 void kvray_linear_i8_bf16(const bf16 *x, int64_t x_stride, const void *w_panels, const bf16 *bias, bf16 *out,
                           int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
     linear(KIND_I8 + 1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
+}
+
+/* grouped low-bit codes (cpu_linear_qg.c): x, bias and out fp32 or bf16 */
+void kvray_linear_q_f32(const float *x, int64_t x_stride, const void *w_panels, const float *bias, float *out,
+                        int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
+    linear(KIND_Q, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
+}
+
+void kvray_linear_q_bf16(const bf16 *x, int64_t x_stride, const void *w_panels, const bf16 *bias, bf16 *out,
+                         int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
+    linear(KIND_Q + 1, x, x_stride, w_panels, bias, out, out_stride, m, n, k, num_threads);
 }

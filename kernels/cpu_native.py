@@ -17,6 +17,7 @@ elsewhere, so the tests run on any CPU).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -24,7 +25,15 @@ import torch
 from kvray.kernels.cpu_build import cpu_flags, library
 
 # output columns of a panel (kernels/cpu_linear.c; int8 codes: cpu_linear_q8.c)
-PANEL = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 16}
+PANEL = {torch.float32: 16, torch.bfloat16: 32, torch.int8: 16, torch.uint8: 16}
+QUANTIZED = (torch.int8, torch.uint8)  # panels of codes: int8 per channel, uint8 grouped (cpu_groups.py)
+
+
+def weight_codes(panels: Panels) -> int:
+    """The C kernels' code for the panels' weights: 0 the dtype, 1 int8, 2 grouped codes."""
+    return {torch.int8: 1, torch.uint8: 2}.get(panels.data.dtype, 0)
+
+
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
@@ -253,7 +262,8 @@ class Panels(NamedTuple):
     """A linear's weight [n, k] in kernels/cpu_linear.c's layout: fp32 [ceil(n / 16), k, 16],
     bf16 [ceil(n / 32), k / 2, 32, 2]; int8 codes (`quantization="int8"`, kernels/
     cpu_linear_q8.c) [ceil(n / 16), 16 k + 64] bytes: each panel's codes [k][16], then its
-    16 columns' fp32 scales."""
+    16 columns' fp32 scales; grouped low-bit codes (`"int4"`, `"gguf"`: kernels/cpu_groups.py)
+    a uint8 buffer."""
 
     data: torch.Tensor
     n: int
@@ -295,11 +305,23 @@ def to_panels_int8(weight: torch.Tensor) -> Panels:
 
 
 def dequantized(panels: Panels) -> torch.Tensor:
-    """The fp32 weight [n, k] int8 panels stand for (codes x scales): tests' reference."""
+    """The fp32 weight [n, k] panels of codes stand for (int8: codes x scales)."""
+    if panels.data.dtype == torch.uint8:
+        from kvray.kernels import cpu_groups
+
+        return cpu_groups.dequantized(panels.data, panels.n, panels.k)
     width, k = PANEL[torch.int8], panels.k
     codes = panels.data[:, : width * k].reshape(-1, k, width).transpose(1, 2).reshape(-1, k)
     scales = panels.data[:, width * k :].contiguous().view(torch.float32).reshape(-1)
     return (codes.float() * scales[:, None])[: panels.n]
+
+
+@functools.cache
+def integer_dots() -> bool:
+    """Whether grouped codes' dot products run on the CPU's integer vector units
+    (AVX512-VNNI; kernels/cpu_linear_qg.c), not its portable C."""
+    lib = library()
+    return lib is not None and bool(lib.kvray_linear_q_native())
 
 
 def takes_every_step(dtype: torch.dtype, device: torch.device) -> bool:
@@ -310,13 +332,13 @@ def takes_every_step(dtype: torch.dtype, device: torch.device) -> bool:
 
 def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:
     """Whether `linear` takes x [rows, k]: at most PANEL_ROWS CPU rows of the panels'
-    dtype and width (int8 panels: any rows of fp32 or bf16, they are the weight's only copy)."""
-    int8 = panels is not None and panels.data.dtype == torch.int8
+    dtype and width (panels of codes: any rows of fp32 or bf16, they are the weight's only copy)."""
+    codes = panels is not None and panels.data.dtype in QUANTIZED
     return (
         panels is not None
         and x.dim() == 2
-        and (x.dtype == panels.data.dtype or int8 and x.dtype in DTYPES)
-        and (int8 or x.shape[0] <= PANEL_ROWS[x.dtype])
+        and (x.dtype == panels.data.dtype or codes and x.dtype in DTYPES)
+        and (codes or x.shape[0] <= PANEL_ROWS[x.dtype])
         and x.shape[1] == panels.k
         and usable(x)
     )
@@ -328,7 +350,7 @@ def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.
     rows, k = x.shape
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == panels.n)
     out = torch.empty(rows, panels.n, dtype=x.dtype)
-    weights = "i8_" if panels.data.dtype == torch.int8 else ""
+    weights = {torch.int8: "i8_", torch.uint8: "q_"}.get(panels.data.dtype, "")
     getattr(library(), f"kvray_linear_{weights}{dtype_suffix(x.dtype)}")(
         x.data_ptr(),
         x.stride(0),

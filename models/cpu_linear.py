@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvray.errors import InvalidArgumentError
-from kvray.kernels import cpu_native
+from kvray.kernels import cpu_groups, cpu_native
 from kvray.kernels.cpu_memory import huge_page_zeros, release_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def linear(
     # the panels are the weight's only copy (they take every step here): x of another
     # shape or layout goes through them as rows
     dtype = panels.data.dtype
-    if dtype == torch.int8:  # int8 codes take fp32 or bf16 rows
+    if dtype in cpu_native.QUANTIZED:  # codes take fp32 or bf16 rows
         dtype = x.dtype if x.dtype in cpu_native.DTYPES else torch.float32
     rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     out = cpu_native.linear(rows, panels, None if bias is None else bias.to(dtype))
@@ -73,10 +73,15 @@ INT8_DENSE_ROWS = 64
 
 
 def int8_dense(x: torch.Tensor, panels: cpu_native.Panels | None) -> bool:
-    """Whether `linear` multiplies x by the de-quantized weight (see INT8_DENSE_ROWS)."""
+    """Whether `linear` multiplies x by the de-quantized weight (see INT8_DENSE_ROWS): int8
+    panels, and grouped codes where the CPU has no integer dot products for them."""
     return (
         panels is not None
-        and panels.data.dtype == torch.int8
+        and (
+            panels.data.dtype == torch.int8
+            or panels.data.dtype == torch.uint8
+            and not cpu_native.integer_dots()
+        )
         and x.dtype in cpu_native.DTYPES
         and x.numel() > INT8_DENSE_ROWS * x.shape[-1]
     )
@@ -123,13 +128,40 @@ def weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, cpu_native
     return pack_weight(weight), panels
 
 
+def quantized_panels(
+    weight: torch.Tensor, quantization: str | None, grouped=None
+) -> cpu_native.Panels | None:
+    """The weight [n, k] as panels of codes for `quantization` (engine/config.py
+    QUANTIZATIONS): int8 per channel, int4 in groups of 32, or "gguf": the file's own
+    codes (`grouped`, models/gguf_groups.py; None where the file holds the tensor
+    unquantized). None: the weight stays in the dtype."""
+    if quantization == "int8":
+        return cpu_native.to_panels_int8(weight)
+    if quantization == "int4":
+        n, k = weight.shape
+        if k % 32:
+            raise InvalidArgumentError(
+                "quantization", quantization, f"weights whose k divides into groups of 32 (k={k})"
+            )
+        codes, scales, mins = cpu_groups.quantize_int4(weight, 32)
+        return cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, 4, 32), n, k)
+    if quantization == "gguf" and grouped is not None:
+        n, k = grouped.codes.shape
+        data = cpu_groups.to_panels(grouped.codes, grouped.scales, grouped.mins, grouped.bits, grouped.group)
+        return cpu_native.Panels(data, n, k)
+    return None
+
+
 def pack_layer(layer: nn.Module, quantization: str | None = None) -> None:
     """layer.packed, layer.panels = its weight's copies (`weight_copies`); the dense
     `layer.weight` goes once they serve every step (oneDNN's copy, or the panels alone).
-    `quantization="int8"`: int8 panels are the weight's only copy (every step's rows)."""
+    Quantized (`quantized_panels`): panels of codes are the weight's only copy (every
+    step's rows)."""
     weight = layer.weight
-    if quantization == "int8":
-        layer.packed, layer.panels, layer.weight = None, cpu_native.to_panels_int8(weight), None
+    panels = quantized_panels(weight, quantization, getattr(layer, "grouped", None))
+    layer.grouped = None
+    if panels is not None:
+        layer.packed, layer.panels, layer.weight = None, panels, None
         return
     layer.packed, layer.panels = weight_copies(weight)
     if (
@@ -141,17 +173,26 @@ def pack_layer(layer: nn.Module, quantization: str | None = None) -> None:
 
 
 def pack_model(
-    model: nn.Module, dtype: torch.dtype, device: torch.device, quantization: str | None = None
+    model: nn.Module, dtype: torch.dtype, device: torch.device, quantization: str | None = None, gguf=None
 ) -> int:
     """Pack every layer that can (modules with `pack_for_cpu`); returns how many did. Where
     oneDNN does not take the dtype (bf16 on a CPU without AVX-512) the native panels still
     do, beside the dense weights. `quantization` (engine/config.py QUANTIZATIONS) needs the
-    native kernels on a CPU: else an InvalidArgumentError naming it."""
+    native kernels on a CPU: else an InvalidArgumentError naming it; "gguf" the GGUF file
+    the model was loaded from (`gguf`, a path)."""
     if quantization is not None and not cpu_native.takes(dtype, device):
         raise InvalidArgumentError(
-            "quantization", quantization, "None here (int8 weights run on the native CPU kernels: a CPU "
+            "quantization", quantization, "None here (quantized weights run on the native CPU kernels: a CPU "
             "with a C compiler, KVRAY_NATIVE_KERNELS not 0)"
         )  # fmt: skip
+    if quantization == "gguf":
+        if gguf is None:
+            raise InvalidArgumentError(
+                "quantization", quantization, "a model loaded from a GGUF file (an alias or a .gguf path)"
+            )
+        from kvray.models.gguf_groups import attach
+
+        attach(model, gguf)
     if not (can_pack(dtype, device) or cpu_native.takes(dtype, device)):
         return 0
     packed = 0
@@ -163,7 +204,7 @@ def pack_model(
     native = gather_panels(model) > 0
     name = str(dtype).removeprefix("torch.")
     if quantization is not None:
-        how = f"quantized to {quantization} (native panels, the LM head too; the embedding in {name})"
+        how = f"quantized as {quantization} (native panels, the LM head too; the embedding in {name})"
     elif native and cpu_native.takes_every_step(dtype, device):
         how = "held once, in the native panels (they take every step)"
     else:

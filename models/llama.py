@@ -19,7 +19,7 @@ from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionBackend, AttentionMetadata, LayerKV
 from kvray.kernels.cpu_fused import StepLogits
 from kvray.models import native_decode
-from kvray.models.cpu_linear import linear, weight_copies
+from kvray.models.cpu_linear import linear, quantized_panels, weight_copies
 from kvray.models.layers import (
     PackedLinear,
     RMSNorm,
@@ -195,7 +195,10 @@ class LlamaForCausalLM(nn.Module):
         head = self.panels_head  # None where the head's weight has no panels: the modules run
         if head is None or head.n != self.config.vocab_size:
             return None
-        if not (head.data.dtype in (native.dtype, torch.int8) and self.norm.weight.dtype == native.dtype):
+        if not (
+            head.data.dtype in (native.dtype, *cpu_native.QUANTIZED)
+            and self.norm.weight.dtype == native.dtype
+        ):
             return None
         return native.step(self.embed_tokens.weight, self.rotary, plan, (self.norm.weight, head))
 
@@ -210,13 +213,15 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self, quantization: str | None = None) -> None:
         """The LM head's packed copy (the embedding keeps its rows: a tied head shares them).
-        `quantization="int8"`: the head as int8 panels too (a step reads the whole head: for
-        Qwen2.5-0.5B 43 % of its bytes; the shipped GGUF files hold it as Q8_0), while
-        the embedding's rows stay in the dtype."""
+        Quantized: the head as panels of codes too (cpu_linear.quantized_panels; a step
+        reads the whole head: for Qwen2.5-0.5B 43 % of its bytes; the shipped GGUF files
+        hold it as Q8_0), while the embedding's rows stay in the dtype."""
         if self.shard.spec.is_last_stage:
             head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-            if quantization == "int8":
-                self.packed_head, self.panels_head = None, cpu_native.to_panels_int8(head.weight)
+            panels = quantized_panels(head.weight, quantization, getattr(self, "grouped_head", None))
+            self.grouped_head = None
+            if panels is not None:
+                self.packed_head, self.panels_head = None, panels
             else:
                 self.packed_head, self.panels_head = weight_copies(head.weight)
 

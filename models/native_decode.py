@@ -54,7 +54,7 @@ class NativeDecode:
             kv_int8=kv_caches[0].k_scale is not None,
             eps=first.input_layernorm.eps,
             scale=attn.scale,
-            int8_weights=attn.qkv_proj.panels.data.dtype == torch.int8,
+            weight_codes=cpu_native.weight_codes(attn.qkv_proj.panels),
         )
         self.layers = (cpu_fused.DecodeLayer * len(model.layers))()
         for entry, layer, kv in zip(self.layers, model.layers, kv_caches):
@@ -79,7 +79,9 @@ class NativeDecode:
         if not cpu_native.takes(dtype, model.layers[0].input_layernorm.weight.device):
             return False
         first = model.layers[0].self_attn.qkv_proj.panels
-        weights = torch.int8 if first is not None and first.data.dtype == torch.int8 else dtype  # all alike
+        weights = (
+            first.data.dtype if first is not None and cpu_native.weight_codes(first) else dtype
+        )  # all alike
         for layer, kv in zip(model.layers, kv_caches):
             a, mlp = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -130,6 +130,7 @@ def test_a_gguf_file_is_a_model(tmp_path, monkeypatch):
     path = resolve_model_path(str(gguf))
     assert path.parent == tmp_path / "cache" / "models" and (path / "config.json").exists()
     assert resolve_model_path(str(gguf)) == path  # converted once
+    assert (path / "model.gguf").resolve() == gguf.resolve()  # its codes, for quantization="gguf"
     monkeypatch.delenv("KVRAY_CACHE")
     alias = LLM(model="smollm2-135m-instruct", dtype="float32")
     from_file = LLM(model=str(gguf), dtype="float32")

@@ -125,7 +125,7 @@ def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
 
 @pytest.mark.parametrize(
     ("dtype", "quantization"),
-    [("float32", None), ("bfloat16", None), ("float32", "int8"), ("bfloat16", "int8")],
+    [(d, q) for q in (None, "int8", "int4") for d in ("float32", "bfloat16")],
 )
 def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(
     saved_model, monkeypatch, dtype, quantization
@@ -133,8 +133,8 @@ def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(
     """The runner's one-call decode step (the embedding's rows, the RoPE tables' rows,
     every layer, the final norm and the LM head, from the plan's lists) gives the logits
     the model's forward and compute_logits give through the same fused layers, bit for
-    bit, and their argmax, step after step of a batch (int8 layers too: the same kernel
-    through either path); a token or a position outside its table declines it (None: the
+    bit, and their argmax, step after step of a batch (int8 and int4 layers too: the same
+    kernels through either path); a token or a position outside its table declines it (None: the
     modules then raise or run it)."""
     if dtype == "bfloat16" and not cpu_has_native_bf16():
         pytest.skip("bf16 runs natively only where the CPU multiplies it")
@@ -144,7 +144,7 @@ def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(
     llm = LLM(model=str(path), dtype=dtype, **args)
     runner = llm.engine.runner
     if quantization:
-        assert runner.model.layers[0].self_attn.qkv_proj.panels.data.dtype == torch.int8
+        assert runner.model.layers[0].self_attn.qkv_proj.panels.data.dtype in cpu_native.QUANTIZED
     real = runner._native_decode_step
     same = []
 

@@ -111,7 +111,7 @@ def test_int8_linears_hold_a_quarter_of_their_fp32_bytes_and_bad_values_name_the
     assert held == sum(-(-m.panels.n // 16) * (16 * m.panels.k + 64) for m in layers)
     assert held < 0.26 * fp32
     with pytest.raises(InvalidArgumentError, match="quantization.*int8"):
-        LLM(model="smollm2-135m-instruct", quantization="int4")
+        LLM(model="smollm2-135m-instruct", quantization="awq")
 
 
 def test_int8_without_the_native_kernels_is_an_error_naming_the_field(monkeypatch):

@@ -90,7 +90,9 @@ def _updater_log(cluster: NamespaceCluster) -> str:
     raylets = [cluster.process(n, "raylet") for n in range(cluster.nodes)]
     logs = sorted((cluster.root / "tmp0").glob("ray/session_*/logs/monitor.out"))
     lines = logs[-1].read_text(errors="replace").splitlines() if logs else ["(no monitor.out)"]
-    wanted = [line for line in lines if any(w in line for w in ("updater", "NodeUpdater", "Exception", "rror"))]
+    wanted = [
+        line for line in lines if any(w in line for w in ("updater", "NodeUpdater", "Exception", "rror"))
+    ]
     return f"raylet per node: {raylets}\n" + "\n".join(wanted[-30:])
 
 

@@ -1,0 +1,266 @@
+/* y = x W^T (+ b) with W held as low-bit codes in groups along k: each group of `group`
+ * values (16 or 32) of each output column has its own fp32 scale and min, and the weight
+ * it stands for is code * scale + min (codes 4 or 8 bits, unsigned). The weight matmuls of
+ * `quantization="int4"` (codes 0..15, groups of 32) and `"gguf"`, whose blocks repack into
+ * this layout without loss (models/gguf_groups.py: Q4_0, Q4_1, Q4_K as 4-bit codes; Q5_0,
+ * Q5_1, Q5_K, Q8_0 as 8-bit codes in groups of 32; Q6_K in groups of 16).
+ *
+ * The activations are quantized too, as llama.cpp does: each row's group of `group` values
+ * to int8 codes (scale d = max |x| / 127, rounded to nearest even), and a group's dot
+ * product is integer arithmetic: sum_j w_j x_j = scale * d * sum_j code_j xq_j +
+ * min * d * sum_j xq_j, the integer sums exact (AVX512-VNNI's `vpdpbusd`: 64 unsigned x
+ * signed byte products a instruction, summed in fours into 16 column sums), each group's
+ * two terms added to the column's fp32 sum in order (fused multiply-adds). The portable C
+ * path does the same arithmetic in the same order, so both give the same bits, and a row's
+ * result does not depend on the other rows of the step (speculation's verified tokens
+ * equal plain decoding's).
+ *
+ * Layout (built once by cpu_native.to_panels_groups): a 64-byte header {bits, group}, then
+ * panels of 16 output columns (P = ceil(n / 16), zero codes, scales and mins past n), each
+ * k / group blocks of
+ *   codes: group / 4 quads of [16 columns][4 consecutive k] bytes (8-bit), or for 4 bits
+ *          group / 8 64-byte chunks, chunk h holding quad 2h in its low nibbles and quad
+ *          2h + 1 in its high ones
+ *   16 fp32 scales, 16 fp32 mins
+ * so the 16 columns' codes of 4 consecutive k are one 64-byte vector: `vpdpbusd`'s shape.
+ *
+ * Rows go through in tiles of up to ROWS_Q over a panel (the panel's block read once for
+ * the tile). An item (cpu_linear.c's kvray_linear_item, the fused decode step's phases)
+ * quantizes the rows it needs itself, into a buffer of its thread's own; kvray_linear_q_*
+ * quantize them once for all the items.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_decode.h"
+#include "cpu_vec.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAS_VNNI_Q 1
+#else
+#define HAS_VNNI_Q 0
+#endif
+
+#define PANEL_Q 16
+#define ROWS_Q 8
+#define HEADER_Q 64
+
+typedef struct {
+    int32_t bits, group;
+} HeaderQ;
+
+/* Rows of x quantized per group: codes [m][k], scales d [m][k / group], and
+ * s = d * (sum of the group's codes) [m][k / group] */
+typedef struct {
+    int8_t *codes;
+    float *d, *s;
+    int64_t k, groups;
+} RowsQ;
+
+static inline int64_t block_bytes_q(int bits, int group) {
+    return (int64_t)group * PANEL_Q * bits / 8 + 2 * PANEL_Q * (int64_t)sizeof(float);
+}
+
+/* bytes for m rows of k values quantized in groups */
+int64_t kvray_rows_q_bytes(int64_t m, int64_t k, int group) {
+    return m * k + 2 * m * (k / group) * (int64_t)sizeof(float);
+}
+
+static RowsQ rows_q_at(void *buffer, int64_t m, int64_t k, int group) {
+    RowsQ q = {(int8_t *)buffer, 0, 0, k, k / group};
+    q.d = (float *)((char *)buffer + m * k);
+    q.s = q.d + m * q.groups;
+    return q;
+}
+
+/* m rows of x (fp32, or bf16 widened) quantized per group of `group` into q */
+static void quantize_rows(const void *x, int64_t x_stride, int bf16_x, int64_t m, int64_t k, int group,
+                          const RowsQ *q) {
+    float v[32];
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < q->groups; g++) {
+            const int64_t at = r * x_stride + g * group;
+            float amax = 0.0f;
+            for (int j = 0; j < group; j++) {
+                v[j] = bf16_x ? bf16_to_f32(((const bf16 *)x)[at + j]) : ((const float *)x)[at + j];
+                amax = fmaxf(amax, fabsf(v[j]));
+            }
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *codes = q->codes + r * k + g * group;
+            int32_t sum = 0;
+            for (int j = 0; j < group; j++) {
+                float c = nearbyintf(v[j] * id);
+                c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+                codes[j] = (int8_t)c;
+                sum += (int32_t)c;
+            }
+            q->d[r * q->groups + g] = d;
+            q->s[r * q->groups + g] = d * (float)sum;
+        }
+}
+
+/* out[c] = sums[c] (+ bias[c]) for `cols` columns, fp32 or rounded to bf16 */
+static inline void store_q(const float *sums, const void *bias, void *out, int cols, int bf16_io) {
+    for (int c = 0; c < cols; c++) {
+        float v = sums[c];
+        if (bias) v += bf16_io ? bf16_to_f32(((const bf16 *)bias)[c]) : ((const float *)bias)[c];
+        if (bf16_io)
+            ((bf16 *)out)[c] = f32_to_bf16(v);
+        else
+            ((float *)out)[c] = v;
+    }
+}
+
+#if HAS_VNNI_Q
+/* rows r0 .. r0 + rows of q over one panel's blocks: sums[i][16] */
+static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t r0, const uint8_t *panel,
+                                                         const int bits, int group, const int rows,
+                                                         float sums[][PANEL_Q]) {
+    __m512 acc[ROWS_Q];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t bb = block_bytes_q(bits, group), cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < q->groups; g++) {
+        const uint8_t *block = panel + g * bb;
+        __m512i dot[ROWS_Q];
+        const int8_t *xg[ROWS_Q];
+        for (int i = 0; i < rows; i++) {
+            dot[i] = _mm512_setzero_si512();
+            xg[i] = q->codes + (r0 + i) * q->k + g * group;
+        }
+        if (bits == 4) {
+            for (int h = 0; h < group / 8; h++) {
+                const __m512i raw = _mm512_loadu_si512(block + 64 * h);
+                const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                for (int i = 0; i < rows; i++) {
+                    int32_t a, b;
+                    memcpy(&a, xg[i] + 8 * h, 4);
+                    memcpy(&b, xg[i] + 8 * h + 4, 4);
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_set1_epi32(a));
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(b));
+                }
+            }
+        } else {
+            for (int j = 0; j < group / 4; j++) {
+                const __m512i w = _mm512_loadu_si512(block + 64 * j);
+                for (int i = 0; i < rows; i++) {
+                    int32_t a;
+                    memcpy(&a, xg[i] + 4 * j, 4);
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(a));
+                }
+            }
+        }
+        const __m512 scale = _mm512_loadu_ps(block + cb), min = _mm512_loadu_ps(block + cb + 64);
+        for (int i = 0; i < rows; i++) {
+            const int64_t at = (r0 + i) * q->groups + g;
+            const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(q->d[at]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), sd, acc[i]);
+            acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(q->s[at]), acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) _mm512_storeu_ps(sums[i], acc[i]);
+}
+#else
+/* the same arithmetic, in the same order, a column at a time */
+static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t r0, const uint8_t *panel,
+                                                         const int bits, int group, const int rows,
+                                                         float sums[][PANEL_Q]) {
+    const int64_t bb = block_bytes_q(bits, group), cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
+    for (int i = 0; i < rows; i++)
+        for (int c = 0; c < PANEL_Q; c++) sums[i][c] = 0.0f;
+    for (int64_t g = 0; g < q->groups; g++) {
+        const uint8_t *block = panel + g * bb;
+        float scale[PANEL_Q], min[PANEL_Q];
+        memcpy(scale, block + cb, sizeof(scale));
+        memcpy(min, block + cb + 64, sizeof(min));
+        for (int i = 0; i < rows; i++) {
+            const int8_t *xg = q->codes + (r0 + i) * q->k + g * group;
+            const int64_t at = (r0 + i) * q->groups + g;
+            for (int c = 0; c < PANEL_Q; c++) {
+                int32_t dot = 0;
+                for (int j = 0; j < group; j++) {
+                    const int32_t code = bits == 4 ? block[64 * (j / 8) + 4 * c + j % 4] >> (4 * (j / 4 % 2)) & 15
+                                                   : block[64 * (j / 4) + 4 * c + j % 4];
+                    dot += code * xg[j];
+                }
+                sums[i][c] = fmaf((float)dot, scale[c] * q->d[at], sums[i][c]);
+                sums[i][c] = fmaf(min[c], q->s[at], sums[i][c]);
+            }
+        }
+    }
+}
+#endif
+
+typedef void (*tile_q_fn)(const RowsQ *, int64_t, const uint8_t *, int, float[][PANEL_Q]);
+#define TILE_Q(ROWS, BITS)                                                                            \
+    static void tile_q_##ROWS##_##BITS(const RowsQ *q, int64_t r0, const uint8_t *panel, int group,  \
+                                       float sums[][PANEL_Q]) {                                       \
+        tile_q(q, r0, panel, BITS, group, ROWS, sums);                                                \
+    }
+TILE_Q(1, 4) TILE_Q(2, 4) TILE_Q(3, 4) TILE_Q(4, 4) TILE_Q(5, 4) TILE_Q(6, 4) TILE_Q(7, 4) TILE_Q(8, 4)
+TILE_Q(1, 8) TILE_Q(2, 8) TILE_Q(3, 8) TILE_Q(4, 8) TILE_Q(5, 8) TILE_Q(6, 8) TILE_Q(7, 8) TILE_Q(8, 8)
+static const tile_q_fn TILES_Q[2][ROWS_Q + 1] = {
+    {0, tile_q_1_4, tile_q_2_4, tile_q_3_4, tile_q_4_4, tile_q_5_4, tile_q_6_4, tile_q_7_4, tile_q_8_4},
+    {0, tile_q_1_8, tile_q_2_8, tile_q_3_8, tile_q_4_8, tile_q_5_8, tile_q_6_8, tile_q_7_8, tile_q_8_8},
+};
+
+/* Panels [p0, p1) of out = x W^T (+ b) for all m rows of q (bf16_io: bias and out bf16) */
+static void panels_q(int bf16_io, const RowsQ *q, const void *w, const void *bias, void *out, int64_t out_stride,
+                     int64_t m, int64_t n, int64_t p0, int64_t p1) {
+    const HeaderQ *h = (const HeaderQ *)w;
+    const int64_t elem = bf16_io ? (int64_t)sizeof(bf16) : (int64_t)sizeof(float);
+    const int64_t pb = q->groups * block_bytes_q(h->bits, h->group);
+    const uint8_t *data = (const uint8_t *)w + HEADER_Q;
+    const tile_q_fn *tiles = TILES_Q[h->bits == 8];
+    float sums[ROWS_Q][PANEL_Q];
+    for (int64_t p = p0; p < p1; p++) {
+        const int cols = n - p * PANEL_Q < PANEL_Q ? (int)(n - p * PANEL_Q) : PANEL_Q;
+        const void *b = bias ? (const char *)bias + p * PANEL_Q * elem : 0;
+        for (int64_t r = 0; r < m; r += ROWS_Q) {
+            const int rows = m - r < ROWS_Q ? (int)(m - r) : ROWS_Q;
+            tiles[rows](q, r, data + p * pb, h->group, sums);
+            for (int i = 0; i < rows; i++)
+                store_q(sums[i], b, (char *)out + ((r + i) * out_stride + p * PANEL_Q) * elem, cols, bf16_io);
+        }
+    }
+}
+
+/* the group size of these panels (cpu_linear.c sizes its buffers with it) */
+int kvray_linear_q_group(const void *w) { return ((const HeaderQ *)w)->group; }
+
+/* x's m rows quantized for panels `w` into `buffer` (kvray_rows_q_bytes) */
+void kvray_linear_q_quantize(int bf16_x, const void *x, int64_t x_stride, const void *w, int64_t m, int64_t k,
+                             void *buffer) {
+    const int group = kvray_linear_q_group(w);
+    const RowsQ q = rows_q_at(buffer, m, k, group);
+    quantize_rows(x, x_stride, bf16_x, m, k, group, &q);
+}
+
+/* Panels [p0, p1) from rows quantized once (kvray_linear_q_quantize) */
+void kvray_linear_q_panels(int bf16_io, const void *quantized, const void *w, const void *bias, void *out,
+                           int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+    const RowsQ q = rows_q_at((void *)quantized, m, k, kvray_linear_q_group(w));
+    panels_q(bf16_io, &q, w, bias, out, out_stride, m, n, p0, p1);
+}
+
+/* Panels [p0, p1) of x's rows: x quantized here, into a buffer of this thread's own */
+void kvray_linear_q_item(int bf16_io, const void *x, int64_t x_stride, const void *w, const void *bias, void *out,
+                         int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+    static __thread void *buffer;
+    static __thread int64_t capacity;
+    const int64_t need = kvray_rows_q_bytes(m, k, kvray_linear_q_group(w));
+    if (need > capacity) {
+        free(buffer);
+        buffer = malloc(need);
+        capacity = buffer ? need : 0;
+        if (!buffer) abort();
+    }
+    kvray_linear_q_quantize(bf16_io, x, x_stride, w, m, k, buffer);
+    kvray_linear_q_panels(bf16_io, buffer, w, bias, out, out_stride, m, n, k, p0, p1);
+}
+
+/* whether the grouped codes' dot products run on integer vector units here (else portable C) */
+int kvray_linear_q_native(void) { return HAS_VNNI_Q; }
