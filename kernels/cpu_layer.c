@@ -81,6 +81,14 @@ void kvray_linear_item(int kind, const void *x, int64_t x_stride, const void *w_
 int64_t kvray_linear_num_panels(int64_t n, int kind);
 int64_t kvray_linear_panel_cols(int kind);
 int64_t kvray_argmax_row_f32(const float *x, int64_t n);
+/* grouped codes (cpu_linear_qg.c): a linear's input quantized once, a row at a time */
+void kvray_linear_item_q(int kind, const void *quantized, const void *w_panels, const void *bias, void *out,
+                         int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i);
+int64_t kvray_rows_q_bytes(int64_t m, int64_t k, int group);
+int kvray_linear_q_group(const void *w);
+void kvray_linear_q_quantize_row(int bf16_x, const void *x_row, const void *w, int64_t m, int64_t k, int64_t r,
+                                 void *buffer);
+enum { GROUPED = 2 }; /* DecodeShape.weight_codes of grouped codes */
 
 int64_t kvray_share_redo_ns = 50000;
 
@@ -117,12 +125,33 @@ typedef struct {
     const void *x, *w, *b;
     void *out;
     int64_t m, n, k, items;
+    const void *xq; /* grouped codes: x quantized by the phase that wrote it (RowsOut), or NULL */
 } LinearPhase;
 
 static void linear_item(const void *phase, void *scratch, int64_t i) {
     const LinearPhase *c = phase;
     (void)scratch;
-    kvray_linear_item(c->kind, c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, c->items, i);
+    if (c->xq)
+        kvray_linear_item_q(c->kind, c->xq, c->w, c->b, c->out, c->n, c->m, c->n, c->k, c->items, i);
+    else
+        kvray_linear_item(c->kind, c->x, c->k, c->w, c->b, c->out, c->n, c->m, c->n, c->k, c->items, i);
+}
+
+/* Where the linear after a row phase takes grouped codes: each row the phase writes is
+ * quantized for it there (once, not by each of the linear's items), into xq */
+typedef struct {
+    void *xq;          /* kvray_rows_q_bytes(m, dim, the linear's group), or NULL: nothing to do */
+    const void *w;     /* the linear's panels (their group) */
+    int64_t m;         /* the step's rows */
+} RowsOut;
+
+static void rows_out(const RowsOut *o, int bf16_io, const void *row, int64_t dim, int64_t r) {
+    if (o->xq) kvray_linear_q_quantize_row(bf16_io, row, o->w, o->m, dim, r, o->xq);
+}
+
+/* a buffer for a step's rows quantized for panels w (grouped codes), or NULL */
+static void *rows_out_buffer(int codes, const void *w, int64_t m, int64_t k) {
+    return codes == GROUPED ? malloc(kvray_rows_q_bytes(m, k, kvray_linear_q_group(w))) : 0;
 }
 
 /* the LM head's item i (a range of its panels, as linear_item), then, in bf16, its columns
@@ -173,6 +202,7 @@ typedef struct {
     const void *weight;
     int64_t dim;
     float eps;
+    RowsOut quantized;
 } NormPhase;
 
 static void norm_item(const void *phase, void *scratch, int64_t r) {
@@ -185,6 +215,7 @@ static void norm_item(const void *phase, void *scratch, int64_t r) {
     else
         kvray_rms_row_f32((const float *)c->src + at, c->res ? (const float *)c->res + at : 0,
                           c->res ? (float *)c->sum + at : 0, (float *)c->out + at, c->weight, c->dim, c->eps);
+    rows_out(&c->quantized, c->bf16_io, (const char *)c->out + at * (c->bf16_io ? 2 : 4), c->dim, r);
 }
 
 /* out = a + b, the residual stream's add (kernels/cpu_ops.c); an item is a row */
@@ -269,6 +300,7 @@ typedef struct {
     const void *gu;
     void *act;
     int64_t inter;
+    RowsOut quantized;
 } SiluPhase;
 
 static void silu_item(const void *phase, void *scratch, int64_t r) {
@@ -282,6 +314,7 @@ static void silu_item(const void *phase, void *scratch, int64_t r) {
         const float *g = (const float *)c->gu + r * 2 * inter;
         kvray_silu_mul_row_f32(g, g + inter, (float *)c->act + r * inter, inter);
     }
+    rows_out(&c->quantized, c->bf16_io, (const char *)c->act + r * inter * (c->bf16_io ? 2 : 4), inter, r);
 }
 
 static void attend_item(const void *phase, void *scratch, int64_t i) { kvray_decode_item(phase, scratch, i); }
@@ -292,6 +325,7 @@ typedef struct {
     void *x_in; /* the residual stream into the layer (layer 0: the caller's x) */
     void *h, *qkv, *qk, *attn, *y, *r, *h2, *gu, *act, *z;
     float *parts;
+    void *h_q, *h2_q, *act_q; /* grouped codes: h, h2 and act quantized for their linears (RowsOut) */
 } LayerBuffers;
 
 static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *sh, void *x, int64_t rows,
@@ -366,7 +400,11 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         const DecodePlan *plan = &plans[plan_of[i]];
         bufs[i].parts = part_at;
         part_at += plan->num_parts * plan->per_part;
+        bufs[i].h_q = rows_out_buffer(sh->weight_codes, layers[i].qkv, rows, hidden);
+        bufs[i].h2_q = rows_out_buffer(sh->weight_codes, layers[i].gate_up, rows, hidden);
+        bufs[i].act_q = rows_out_buffer(sh->weight_codes, layers[i].down, rows, inter);
     }
+    void *head_q = head ? rows_out_buffer(head->weight_codes, head->panels, rows, hidden) : 0;
     const int64_t row = sh->kv_int8 ? d + (int64_t)sizeof(float) : d * size, token = sh->num_kv_heads * row;
     const int quant = sh->kv_int8 ? INT8 : bf16_io ? BF16 : F32;
 #pragma omp parallel num_threads(num_threads)
@@ -381,9 +419,10 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
                                  sh->num_kv_heads, sh->head_dim, sh->block_size, sh->scale};
             /* h = RMSNorm(x_in), x_in = the last layer's r + z */
             const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
-                                       l->input_norm, hidden, sh->eps};
+                                       l->input_norm, hidden, sh->eps, {b->h_q, l->qkv, rows}};
             RUN_PHASE(0, norm_item, &norm_in);
-            const LinearPhase qkv = {lin, b->h, l->qkv, l->qkv_bias, b->qkv, rows, qkv_width, hidden, items_qkv};
+            const LinearPhase qkv = {lin,  b->h,      l->qkv, l->qkv_bias, b->qkv, rows, qkv_width,
+                                     hidden, items_qkv, b->h_q};
             RUN_PHASE(1, linear_item, &qkv);
             const RopePhase rope = {bf16_io, b->qkv, b->qk, sh, l, cos, sin, slots};
             RUN_PHASE(2, rope_item, &rope);
@@ -395,24 +434,29 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             const LinearPhase o = {lin, b->attn, l->o, l->o_bias, b->y, rows, hidden, q_width, items_hidden};
             RUN_PHASE(5, linear_item, &o);
             /* r = x_in + y, h2 = RMSNorm(r) */
-            const NormPhase norm_post = {bf16_io, b->x_in, b->y, b->r, b->h2, l->post_norm, hidden, sh->eps};
+            const NormPhase norm_post = {bf16_io, b->x_in, b->y,    b->r,  b->h2, l->post_norm,
+                                         hidden,  sh->eps, {b->h2_q, l->gate_up, rows}};
             RUN_PHASE(6, norm_item, &norm_post);
-            const LinearPhase gate_up = {lin, b->h2, l->gate_up, l->gate_up_bias, b->gu,
-                                         rows,    2 * inter, hidden,           items_gu};
+            const LinearPhase gate_up = {lin,  b->h2,  l->gate_up, l->gate_up_bias, b->gu, rows, 2 * inter,
+                                         hidden, items_gu, b->h2_q};
             RUN_PHASE(7, linear_item, &gate_up);
-            const SiluPhase silu = {bf16_io, b->gu, b->act, inter};
+            const SiluPhase silu = {bf16_io, b->gu, b->act, inter, {b->act_q, l->down, rows}};
             RUN_PHASE(8, silu_item, &silu);
-            const LinearPhase down = {lin, b->act, l->down, l->down_bias, b->z, rows, hidden, inter, items_hidden};
+            const LinearPhase down = {lin,   b->act, l->down, l->down_bias, b->z, rows, hidden,
+                                      inter, items_hidden, b->act_q};
             RUN_PHASE(9, linear_item, &down);
         }
         /* x = the last layer's r + z; with a head, head_in = the final RMSNorm of x, then the
          * logits: the bits of compute_logits's norm, linear and .float() */
         const LayerBuffers *last = &bufs[num_layers - 1];
         if (head) {
-            const NormPhase norm_out = {bf16_io, last->r, last->z, x, head_in, head->norm, hidden, sh->eps};
+            const NormPhase norm_out = {bf16_io, last->r, last->z, x, head_in, head->norm, hidden, sh->eps,
+                                        {head_q, head->panels, rows}};
             share_run(&shares[num_shares - 2], norm_item, &norm_out, &scratch);
-            const HeadPhase logits = {{head_kind, head_in, head->panels, 0, head_out, rows, head->n, hidden, items_head},
-                                      head->logits, head_best};
+            const HeadPhase logits = {
+                {head_kind, head_in, head->panels, 0, head_out, rows, head->n, hidden, items_head, head_q},
+                head->logits,
+                head_best};
             share_run(&shares[num_shares - 1], head_item, &logits, &scratch);
             if (head_best && omp_get_thread_num() == 0) head_argmax(&logits, head->argmax);
         } else {
@@ -421,6 +465,12 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         }
         kvray_decode_scratch_free(&scratch);
     }
+    for (int32_t i = 0; i < num_layers; i++) {
+        free(bufs[i].h_q);
+        free(bufs[i].h2_q);
+        free(bufs[i].act_q);
+    }
+    free(head_q);
     free(shares);
     free(bufs);
     free(flags);

@@ -406,6 +406,14 @@ void kvray_linear_item(int kind, const void *x, int64_t x_stride, const void *w_
         kvray_linear_panel_bf16(x, x_stride, w_panels, bias, out, out_stride, m, n, k, p);
 }
 
+/* item i as kvray_linear_item, of grouped codes, its x quantized already (kvray_linear_q_quantize) */
+void kvray_linear_item_q(int kind, const void *quantized, const void *w_panels, const void *bias, void *out,
+                         int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i) {
+    const int64_t panels = kvray_linear_num_panels(n, kind);
+    kvray_linear_q_panels(kind & 1, quantized, w_panels, bias, out, out_stride, m, n, k, i * panels / items,
+                          (i + 1) * panels / items);
+}
+
 /* the panels of an n-column output (fp32 or bf16 panels) */
 int64_t kvray_linear_num_panels(int64_t n, int kind) {
     return kind == 1 ? (n + PANEL_BF16 - 1) / PANEL_BF16 : (n + PANEL - 1) / PANEL; /* int8: 16 */
@@ -450,13 +458,10 @@ static void linear(int kind, const void *x, int64_t x_stride, const void *w_pane
         for (int32_t v = 0; v < teams; v++) {
             Claims *c = &claims[(self + v) % teams];
             for (int64_t i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < c->end;) {
-                if (!quantized) {
+                if (quantized)
+                    kvray_linear_item_q(kind, quantized, w_panels, bias, out, out_stride, m, n, k, items, i);
+                else
                     kvray_linear_item(kind, x, x_stride, w_panels, bias, out, out_stride, m, n, k, items, i);
-                    continue;
-                }
-                const int64_t panels = kvray_linear_num_panels(n, kind);
-                kvray_linear_q_panels(kind & 1, quantized, w_panels, bias, out, out_stride, m, n, k,
-                                      i * panels / items, (i + 1) * panels / items);
             }
         }
     }

@@ -25,9 +25,11 @@
  * so the 16 columns' codes of 4 consecutive k are one 64-byte vector: `vpdpbusd`'s shape.
  *
  * Rows go through in tiles of up to ROWS_Q over a panel (the panel's block read once for
- * the tile). An item (cpu_linear.c's kvray_linear_item, the fused decode step's phases)
- * quantizes the rows it needs itself, into a buffer of its thread's own; kvray_linear_q_*
- * quantize them once for all the items.
+ * the tile). kvray_linear_q_f32/bf16 quantize x once for all their items; the fused decode
+ * step's row phases quantize each row they write for the linear after them
+ * (kvray_linear_q_quantize_row); an item given x itself (kvray_linear_item: the attention's
+ * output, which no one phase writes a row of at a time) quantizes the rows into a buffer
+ * of its thread's own.
  */
 #include <math.h>
 #include <stdint.h>
@@ -76,30 +78,28 @@ static RowsQ rows_q_at(void *buffer, int64_t m, int64_t k, int group) {
     return q;
 }
 
-/* m rows of x (fp32, or bf16 widened) quantized per group of `group` into q */
-static void quantize_rows(const void *x, int64_t x_stride, int bf16_x, int64_t m, int64_t k, int group,
-                          const RowsQ *q) {
+/* row r of x (fp32, or bf16 widened) quantized per group into q */
+static void quantize_row(const void *x, int bf16_x, int group, const RowsQ *q, int64_t r) {
     float v[32];
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < q->groups; g++) {
-            const int64_t at = r * x_stride + g * group;
-            float amax = 0.0f;
-            for (int j = 0; j < group; j++) {
-                v[j] = bf16_x ? bf16_to_f32(((const bf16 *)x)[at + j]) : ((const float *)x)[at + j];
-                amax = fmaxf(amax, fabsf(v[j]));
-            }
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *codes = q->codes + r * k + g * group;
-            int32_t sum = 0;
-            for (int j = 0; j < group; j++) {
-                float c = nearbyintf(v[j] * id);
-                c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
-                codes[j] = (int8_t)c;
-                sum += (int32_t)c;
-            }
-            q->d[r * q->groups + g] = d;
-            q->s[r * q->groups + g] = d * (float)sum;
+    for (int64_t g = 0; g < q->groups; g++) {
+        const int64_t at = g * group;
+        float amax = 0.0f;
+        for (int j = 0; j < group; j++) {
+            v[j] = bf16_x ? bf16_to_f32(((const bf16 *)x)[at + j]) : ((const float *)x)[at + j];
+            amax = fmaxf(amax, fabsf(v[j]));
         }
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *codes = q->codes + r * q->k + at;
+        int32_t sum = 0;
+        for (int j = 0; j < group; j++) {
+            float c = nearbyintf(v[j] * id);
+            c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+            codes[j] = (int8_t)c;
+            sum += (int32_t)c;
+        }
+        q->d[r * q->groups + g] = d;
+        q->s[r * q->groups + g] = d * (float)sum;
+    }
 }
 
 /* out[c] = sums[c] (+ bias[c]) for `cols` columns, fp32 or rounded to bf16 */
@@ -236,7 +236,16 @@ void kvray_linear_q_quantize(int bf16_x, const void *x, int64_t x_stride, const 
                              void *buffer) {
     const int group = kvray_linear_q_group(w);
     const RowsQ q = rows_q_at(buffer, m, k, group);
-    quantize_rows(x, x_stride, bf16_x, m, k, group, &q);
+    const int64_t elem = bf16_x ? (int64_t)sizeof(bf16) : (int64_t)sizeof(float);
+    for (int64_t r = 0; r < m; r++) quantize_row((const char *)x + r * x_stride * elem, bf16_x, group, &q, r);
+}
+
+/* row r (of m) alone, into the same layout: where a phase writes its rows one at a time */
+void kvray_linear_q_quantize_row(int bf16_x, const void *x_row, const void *w, int64_t m, int64_t k, int64_t r,
+                                 void *buffer) {
+    const int group = kvray_linear_q_group(w);
+    const RowsQ q = rows_q_at(buffer, m, k, group);
+    quantize_row(x_row, bf16_x, group, &q, r);
 }
 
 /* Panels [p0, p1) from rows quantized once (kvray_linear_q_quantize) */
