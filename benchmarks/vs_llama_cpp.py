@@ -5,8 +5,9 @@ the same threads, side by side in one run:
   first token, prefix caching off);
 - single-stream decode: 128 tokens (llama-bench `tg128`; kvray: a 129-token generation
   less the 1-token one, from a 4-token prompt);
-- the memory the weights add to kvray's process (RSS after loading less before and less
-  the KV cache's bytes; the file's size beside it).
+- the memory the weights add to kvray's process (its resident anonymous memory after
+  loading less before, less the KV cache's bytes, which loading touches; the file's size
+  beside it).
 
 kvray runs each `--quantization` (default: gguf, the file's own codes; None: the
 de-quantized weights in the dtype) in a child process of its own. llama.cpp's tools build
@@ -30,8 +31,10 @@ from serve_harness import cpu_banner
 
 
 def rss_bytes() -> int:
+    """This process's resident anonymous memory (not the shared libraries' code pages a first
+    use brings in)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
 
