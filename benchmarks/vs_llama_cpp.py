@@ -45,7 +45,6 @@ def kvray_child(alias: str, quantization: str | None, prompt: int, new: int, rep
 
     from kvray.engine import LLM, SamplingParams
     from kvray.kernels.cpu_memory import release_freed_memory
-
     from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 
     torch.set_num_threads(2)
@@ -75,10 +74,13 @@ def kvray_child(alias: str, quantization: str | None, prompt: int, new: int, rep
 def kvray(alias: str, quantization: str | None, args) -> dict:
     code = (
         "import json, sys; sys.path.insert(0, 'benchmarks'); import vs_llama_cpp as b; "
-        f"print('RESULT', json.dumps(b.kvray_child({alias!r}, {quantization!r}, {args.prompt}, {args.new}, {args.reps})))"
+        f"result = b.kvray_child({alias!r}, {quantization!r}, {args.prompt}, {args.new}, {args.reps}); "
+        "print('RESULT', json.dumps(result))"
     )
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:])
 
 
@@ -88,11 +90,18 @@ def llama_bench(gguf: Path, args) -> dict:
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     pp = next(r for r in rows if r["n_prompt"] == args.prompt and r["n_gen"] == 0)
     tg = next(r for r in rows if r["n_gen"] == args.new and r["n_prompt"] == 0)
-    return {"pp": pp["avg_ts"], "tg": tg["avg_ts"], "build": pp.get("build_commit", "?"), "type": pp.get("model_type")}
+    return {
+        "pp": pp["avg_ts"],
+        "tg": tg["avg_ts"],
+        "build": pp.get("build_commit", "?"),
+        "type": pp.get("model_type"),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--llama-bin", required=True, help="the folder holding llama-bench")
     parser.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--quantization", default="gguf,none", help="kvray's, comma-separated (none: None)")
@@ -105,19 +114,27 @@ def main() -> None:
     from kvray.models.fetch import GGUF_NAME, fetch_alias
 
     print(cpu_banner())
-    print(f"threads {args.threads}, pp{args.prompt}, tg{args.new}, best of {args.reps} (kvray), mean (llama-bench)\n")
-    print("| model | file | engine | pp tok/s | tg tok/s | tg vs llama.cpp | weights RSS / file |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        f"threads {args.threads}, pp{args.prompt}, tg{args.new}, "
+        f"best of {args.reps} (kvray), mean (llama-bench)\n"
+    )
+
+    def row(*cells: str) -> None:
+        print("| " + " | ".join(cells) + " |")
+
+    row("model", "file", "engine", "pp tok/s", "tg tok/s", "tg vs llama.cpp", "weights RSS / file")
+    row(*["---"] * 7)
     for alias in args.models.split(","):
         gguf = fetch_alias(alias) / GGUF_NAME
         size = gguf.stat().st_size
         ref = llama_bench(gguf, args)
-        print(f"| {alias} | {size / 1e6:.0f} MB | llama.cpp {ref['build']} ({ref['type']}) "
-              f"| {ref['pp']:.1f} | {ref['tg']:.1f} | 1.00x | |")  # fmt: skip
+        engine = f"llama.cpp {ref['build']} ({ref['type']})"
+        row(alias, f"{size / 1e6:.0f} MB", engine, f"{ref['pp']:.1f}", f"{ref['tg']:.1f}", "1.00x", "")
         for q in args.quantization.split(","):
             got = kvray(alias, None if q == "none" else q, args)
-            print(f"| {alias} | | kvray {q} ({got['dtype'].removeprefix('torch.')}) | {got['pp']:.1f} "
-                  f"| {got['tg']:.1f} | {got['tg'] / ref['tg']:.2f}x | {got['weights_rss'] / size:.2f}x |")  # fmt: skip
+            engine = f"kvray {q} ({got['dtype'].removeprefix('torch.')})"
+            ratio, held = f"{got['tg'] / ref['tg']:.2f}x", f"{got['weights_rss'] / size:.2f}x"
+            row(alias, "", engine, f"{got['pp']:.1f}", f"{got['tg']:.1f}", ratio, held)
         sys.stdout.flush()
 
 

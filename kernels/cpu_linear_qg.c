@@ -42,8 +42,14 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAS_VNNI_Q 1
+#define HAS_AVX2_Q 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAS_VNNI_Q 0
+#define HAS_AVX2_Q 1 /* AVX2's `vpmaddubsw`: pairs of u8 x s8 products to i16 */
 #else
 #define HAS_VNNI_Q 0
+#define HAS_AVX2_Q 0
 #endif
 
 #define PANEL_Q 16
@@ -163,6 +169,67 @@ static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t
     }
     for (int i = 0; i < rows; i++) _mm512_storeu_ps(sums[i], acc[i]);
 }
+#elif HAS_AVX2_Q
+/* sum += 4 consecutive products a lane, of 8 columns' codes w (0..15) and the row's 4 codes
+ * x: `vpmaddubsw` pairs them into i16 (at most 2 * 15 * 127: no saturation), `vpmaddwd`
+ * adds the pairs into i32 */
+static inline __m256i dot4_avx2(__m256i sum, __m256i w, __m256i x) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+
+/* as the AVX-512 tile, 8 columns a vector; 8-bit codes as 16 * high nibble + low nibble (a
+ * byte code times 127 twice would saturate i16) */
+static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t r0, const uint8_t *panel,
+                                                         const int bits, int group, const int rows,
+                                                         float sums[][PANEL_Q]) {
+    __m256 acc[ROWS_Q][2];
+    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const int64_t bb = block_bytes_q(bits, group), cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < q->groups; g++) {
+        const uint8_t *block = panel + g * bb;
+        __m256i dot[ROWS_Q][2], high[ROWS_Q][2];
+        const int8_t *xg[ROWS_Q];
+        for (int i = 0; i < rows; i++) {
+            dot[i][0] = dot[i][1] = high[i][0] = high[i][1] = _mm256_setzero_si256();
+            xg[i] = q->codes + (r0 + i) * q->k + g * group;
+        }
+        const int chunks = bits == 4 ? group / 8 : group / 4;
+        for (int h = 0; h < chunks; h++)
+            for (int half = 0; half < 2; half++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32 * half));
+                const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                for (int i = 0; i < rows; i++) {
+                    int32_t a, b;
+                    memcpy(&a, xg[i] + (bits == 4 ? 8 : 4) * h, 4);
+                    if (bits == 4) { /* quad 2h in the low nibbles, 2h + 1 in the high */
+                        memcpy(&b, xg[i] + 8 * h + 4, 4);
+                        dot[i][half] = dot4_avx2(dot[i][half], lo, _mm256_set1_epi32(a));
+                        dot[i][half] = dot4_avx2(dot[i][half], hi, _mm256_set1_epi32(b));
+                    } else {
+                        const __m256i xa = _mm256_set1_epi32(a);
+                        dot[i][half] = dot4_avx2(dot[i][half], lo, xa);
+                        high[i][half] = dot4_avx2(high[i][half], hi, xa);
+                    }
+                }
+            }
+        for (int half = 0; half < 2; half++) {
+            const __m256 scale = _mm256_loadu_ps((const float *)(block + cb) + 8 * half);
+            const __m256 min = _mm256_loadu_ps((const float *)(block + cb + 64) + 8 * half);
+            for (int i = 0; i < rows; i++) {
+                const int64_t at = (r0 + i) * q->groups + g;
+                const __m256i total = _mm256_add_epi32(dot[i][half], _mm256_slli_epi32(high[i][half], 4));
+                const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(q->d[at]));
+                acc[i][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), sd, acc[i][half]);
+                acc[i][half] = _mm256_fmadd_ps(min, _mm256_set1_ps(q->s[at]), acc[i][half]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        _mm256_storeu_ps(sums[i], acc[i][0]);
+        _mm256_storeu_ps(sums[i] + 8, acc[i][1]);
+    }
+}
 #else
 /* the same arithmetic, in the same order, a column at a time */
 static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t r0, const uint8_t *panel,
@@ -271,5 +338,6 @@ void kvray_linear_q_item(int bf16_io, const void *x, int64_t x_stride, const voi
     kvray_linear_q_panels(bf16_io, buffer, w, bias, out, out_stride, m, n, k, p0, p1);
 }
 
-/* whether the grouped codes' dot products run on integer vector units here (else portable C) */
-int kvray_linear_q_native(void) { return HAS_VNNI_Q; }
+/* whether the grouped codes' dot products run on integer vector units here (AVX512-VNNI or
+ * AVX2; else portable C) */
+int kvray_linear_q_native(void) { return HAS_VNNI_Q || HAS_AVX2_Q; }

@@ -104,7 +104,7 @@ def test_ray_up_over_ssh_serves_and_ray_down_removes_it(launched, smollm2_path):
     while not all(cluster.process(n, "raylet") for n in range(cluster.nodes)):
         assert time.monotonic() < deadline, _updater_log(cluster)
         time.sleep(2)
-    expected = LLM(model=str(smollm2_path), dtype="auto").generate(
+    expected = LLM(model=str(smollm2_path), dtype="auto", quantization="gguf").generate(  # as the preset
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )[0]
     assert _completion(cluster) == expected.outputs[0].text
