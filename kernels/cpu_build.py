@@ -174,4 +174,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvray_argmax_f32.restype, lib.kvray_argmax_f32.argtypes = None, [ptr, i64, i64, i64, ptr, i32]
     lib.kvray_set_share_redo_ns.restype, lib.kvray_set_share_redo_ns.argtypes = i64, [i64]
     lib.kvray_linear_q_native.restype, lib.kvray_linear_q_native.argtypes = i32, []
+    # grouped codes' rows: panels, n, k, ids, their count, out, bf16 out
+    lib.kvray_linear_q_rows.restype, lib.kvray_linear_q_rows.argtypes = (
+        None,
+        [ptr, i64, i64, ptr, i64, ptr, i32],
+    )
     return lib

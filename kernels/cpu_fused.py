@@ -33,7 +33,8 @@ class DecodeShape(ctypes.Structure):
         for name in (
             "hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "kv_int8",
         )
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("weight_codes", ctypes.c_int32)]  # fmt: skip
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("weight_codes", ctypes.c_int32),
+         ("embed_codes", ctypes.c_int32)]  # fmt: skip
 
 
 class Head(ctypes.Structure):
@@ -94,7 +95,7 @@ def decode_layers(
 def decode_step(
     layers: ctypes.Array,
     shape: DecodeShape,
-    embed: torch.Tensor,
+    embed: torch.Tensor | Panels,
     rope: tuple[torch.Tensor, torch.Tensor],
     tokens: list[int],
     positions: list[int],
@@ -104,7 +105,8 @@ def decode_step(
     head: tuple[torch.Tensor, Panels],
 ) -> StepLogits | None:
     """A decode step from its tokens in one call (kernels/cpu_layer.c): the embedding's rows
-    (embed [vocab, hidden], contiguous, the layers' dtype), the RoPE tables' rows (fp32
+    (embed [vocab, hidden], contiguous, the layers' dtype; or grouped codes' panels, the rows
+    gathered from them), the RoPE tables' rows (fp32
     [max_positions, head_dim / 2] each), every layer, then `head` (the final norm's weight
     and the LM head's panels, the layers' dtype): the fp32 logits [T, n] (the head's output
     in the layers' dtype, widened) and each row's argmax, found while the logits were in the
@@ -118,17 +120,21 @@ def decode_step(
     tables = (i32 * (rows * width))(*(b for r in order for b in block_tables[r]))
     lens = (i32 * rows)(*(seq_lens[r] for r in order))
     cos, sin = rope
-    x = torch.empty(rows, shape.hidden, dtype=embed.dtype)  # the residual stream, scratch here
     norm, panels = head
+    dtype = norm.dtype  # the layers'
+    x = torch.empty(rows, shape.hidden, dtype=dtype)  # the residual stream, scratch here
     codes = weight_codes(panels)  # the head's panels of codes (quantization=)
-    assert norm.dtype == embed.dtype and (codes or panels.data.dtype == embed.dtype) and norm.is_contiguous()
+    assert (codes or panels.data.dtype == dtype) and norm.is_contiguous()
+    shape.embed_codes = grouped = isinstance(embed, Panels)  # its rows gathered from grouped codes
+    assert grouped or embed.dtype == dtype
+    embed_at, vocab = (embed.data.data_ptr(), embed.n) if grouped else (embed.data_ptr(), embed.shape[0])
     assert panels.k == shape.hidden
     out = StepLogits(torch.empty(rows, panels.n, dtype=torch.float32), torch.empty(rows, dtype=torch.int64))
     ptrs = (out.logits.data_ptr(), out.argmax.data_ptr())
     ends = ctypes.byref(Head(norm.data_ptr(), panels.data.data_ptr(), panels.n, *ptrs, codes))
-    status = getattr(library(), f"kvray_decode_step_{dtype_suffix(embed.dtype)}")(
+    status = getattr(library(), f"kvray_decode_step_{dtype_suffix(dtype)}")(
         ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), rows,
-        embed.data_ptr(), embed.shape[0], (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+        embed_at, vocab, (i64 * rows)(*tokens), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
         (i64 * rows)(*positions), (i64 * rows)(*slots), tables, width, lens, (i64 * rows)(*order), rows,
         torch.get_num_threads(), ends,
     )  # fmt: skip

@@ -54,6 +54,7 @@ typedef struct {
     float eps, scale;
     int32_t weight_codes; /* the four linears' panels: 0 the dtype, 1 int8 codes (cpu_linear_q8.c), 2 grouped
                            * codes (cpu_linear_qg.c); the head: Head's */
+    int32_t embed_codes;  /* decode_step's embedding: grouped codes' panels (its rows gathered), else rows */
 } DecodeShape;
 
 /* The model's final norm and LM head, where a step ends in its logits (kvray_decode_step_*) */
@@ -88,6 +89,7 @@ int64_t kvray_rows_q_bytes(int64_t m, int64_t k, int group);
 int kvray_linear_q_group(const void *w);
 void kvray_linear_q_quantize_row(int bf16_x, const void *x_row, const void *w, int64_t m, int64_t k, int64_t r,
                                  void *buffer);
+void kvray_linear_q_rows(const void *w, int64_t n, int64_t k, const int64_t *ids, int64_t m, void *out, int bf16_out);
 enum { GROUPED = 2 }; /* DecodeShape.weight_codes of grouped codes */
 
 int64_t kvray_share_redo_ns = 50000;
@@ -502,7 +504,10 @@ static int decode_step(const DecodeLayer *layers, int32_t num_layers, const Deco
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -1;
     float *cos = malloc(sizeof(float) * 2 * rows * half), *sin = cos + rows * half;
     for (int64_t r = 0; r < rows; r++) {
-        memcpy((char *)x + r * row_bytes, (const char *)embed + tokens[r] * row_bytes, row_bytes);
+        if (sh->embed_codes)
+            kvray_linear_q_rows(embed, vocab, sh->hidden, tokens + r, 1, (char *)x + r * row_bytes, bf16_io);
+        else
+            memcpy((char *)x + r * row_bytes, (const char *)embed + tokens[r] * row_bytes, row_bytes);
         memcpy(cos + r * half, cos_table + positions[r] * half, sizeof(float) * half);
         memcpy(sin + r * half, sin_table + positions[r] * half, sizeof(float) * half);
     }

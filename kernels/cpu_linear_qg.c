@@ -341,3 +341,34 @@ void kvray_linear_q_item(int bf16_io, const void *x, int64_t x_stride, const voi
 /* whether the grouped codes' dot products run on integer vector units here (AVX512-VNNI or
  * AVX2; else portable C) */
 int kvray_linear_q_native(void) { return HAS_VNNI_Q || HAS_AVX2_Q; }
+
+/* Rows `ids` (m of them, each in [0, n)) of the weight [n, k] the panels stand for, into out
+ * [m, k] (fp32, or rounded to bf16): an embedding held as grouped codes (a tied LM head's, or
+ * its own), looked up; code * scale + min, as the de-quantized weight holds it. */
+void kvray_linear_q_rows(const void *w, int64_t n, int64_t k, const int64_t *ids, int64_t m, void *out, int bf16_out) {
+    const HeaderQ *h = (const HeaderQ *)w;
+    const int64_t groups = k / h->group, bb = block_bytes_q(h->bits, h->group), pb = groups * bb;
+    const int64_t cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
+    const uint8_t *data = (const uint8_t *)w + HEADER_Q;
+    (void)n;
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t c = ids[r] % PANEL_Q;
+        const uint8_t *panel = data + ids[r] / PANEL_Q * pb;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *block = panel + g * bb;
+            float scale, min;
+            memcpy(&scale, block + cb + 4 * c, 4);
+            memcpy(&min, block + cb + 64 + 4 * c, 4);
+            for (int j = 0; j < h->group; j++) {
+                const int32_t code = h->bits == 4 ? block[64 * (j / 8) + 4 * c + j % 4] >> (4 * (j / 4 % 2)) & 15
+                                                  : block[64 * (j / 4) + 4 * c + j % 4];
+                const float v = fmaf((float)code, scale, min);
+                const int64_t at = r * k + g * h->group + j;
+                if (bf16_out)
+                    ((bf16 *)out)[at] = f32_to_bf16(v);
+                else
+                    ((float *)out)[at] = v;
+            }
+        }
+    }
+}

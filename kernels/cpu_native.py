@@ -324,6 +324,20 @@ def integer_dots() -> bool:
     return lib is not None and bool(lib.kvray_linear_q_native())
 
 
+def embedding_rows(panels: Panels, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the weight grouped codes' panels stand for, in `dtype` (fp32 or bf16):
+    an embedding held as codes, looked up (the rows its de-quantized weight would give)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= panels.n):
+        raise IndexError(f"index out of range in self: ids in [0, {panels.n})")
+    out = torch.empty(flat.numel(), panels.k, dtype=dtype)
+    library().kvray_linear_q_rows(
+        panels.data.data_ptr(), panels.n, panels.k, flat.data_ptr(), flat.numel(), out.data_ptr(),
+        int(dtype == torch.bfloat16),
+    )  # fmt: skip
+    return out.view(*ids.shape, panels.k)
+
+
 def takes_every_step(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the panels take every step's rows of this dtype here: then a layer needs no
     other copy of its weight (models/cpu_linear.py)."""

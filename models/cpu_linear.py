@@ -221,13 +221,18 @@ PANEL_ATTRS = ("panels", "panels_head")  # where modules keep their native panel
 def gather_panels(model: nn.Module) -> int:
     """Move every native panel of the model into one buffer of huge-page memory
     (kernels/cpu_memory.py: a decode step streams them all, and with 2 MiB pages it does
-    so with ~1/500 of the TLB misses); returns how many there are."""
-    owners = [
+    so with ~1/500 of the TLB misses); returns how many there are. Panels two modules share
+    (a tied embedding held in its LM head's codes) move once."""
+    found = [
         (module, attr)
         for module in model.modules()
         for attr in PANEL_ATTRS
         if isinstance(getattr(module, attr, None), cpu_native.Panels)
     ]
+    owners, sharers = [], []
+    for module, attr in found:
+        first = next((o for o in owners if getattr(o[0], o[1]) is getattr(module, attr)), None)
+        (sharers.append((module, attr, first)) if first else owners.append((module, attr)))
     spans = [-(-getattr(m, a).data.nbytes // 64) * 64 for m, a in owners]  # each 64-byte aligned
     # faulted in as the copies fill it, each first copy freed once moved and the heap
     # trimmed as it goes: the model's panels are held about once, not twice (a 1.5B model
@@ -244,6 +249,8 @@ def gather_panels(model: nn.Module) -> int:
         if moved >= TRIM_EVERY:
             release_freed_memory()  # the first copies' pages
             moved = 0
+    for module, attr, (owner, owner_attr) in sharers:
+        setattr(module, attr, getattr(owner, owner_attr))
     release_freed_memory()
     return len(owners)
 

@@ -257,4 +257,8 @@ def attach(model, path: Path) -> int:
         g = weights.get("model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight")
         model.grouped_head = None if g is None else g.rows(head.rows)
         found += g is not None
+    if hasattr(model, "embed_tokens") and not model.tie_word_embeddings:  # an untied embedding's own codes
+        g = weights.get("model.embed_tokens.weight")
+        model.grouped_embed = None if g is None else g.rows(model.embed_tokens.rows)
+        found += g is not None
     return found

@@ -102,7 +102,8 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows `rows` of the vocabulary; ids outside them look up zeros and the
-    ranks' results are all-reduced. Its weight doubles as a tied LM head's slice."""
+    ranks' results are all-reduced. Its weight doubles as a tied LM head's slice. Under
+    `quantization="gguf"` the rows may be held as grouped codes instead (`hold_codes`)."""
 
     def __init__(self, rows: range, hidden_size: int, shard: ShardContext):
         super().__init__()
@@ -110,15 +111,26 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = shard
         self.weight = nn.Parameter(torch.empty(len(rows), hidden_size))
         self.weight.weight_loader = self._load
+        self.panels: cpu_native.Panels | None = None  # grouped codes, where they hold the rows
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
         param.data.copy_(loaded[self.rows.start : self.rows.stop])
 
+    def hold_codes(self, panels: cpu_native.Panels) -> None:
+        """Look the rows up in grouped codes' panels (a tied LM head's, or the embedding's
+        own) from now on; the dense rows go."""
+        self.dtype, self.panels, self.weight = self.weight.dtype, panels, None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        return cpu_native.embedding_rows(self.panels, ids, self.dtype)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         outside = (ids < self.rows.start) | (ids >= self.rows.stop)
-        x = F.embedding((ids - self.rows.start).masked_fill(outside, 0), self.weight)
+        x = self._lookup((ids - self.rows.start).masked_fill(outside, 0))
         return self.shard.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 

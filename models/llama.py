@@ -200,7 +200,8 @@ class LlamaForCausalLM(nn.Module):
             and self.norm.weight.dtype == native.dtype
         ):
             return None
-        return native.step(self.embed_tokens.weight, self.rotary, plan, (self.norm.weight, head))
+        embed = self.embed_tokens.weight if self.embed_tokens.weight is not None else self.embed_tokens.panels
+        return native.step(embed, self.rotary, plan, (self.norm.weight, head))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] (pre-norm) -> fp32 logits [B, vocab] (last stage; every
@@ -216,14 +217,21 @@ class LlamaForCausalLM(nn.Module):
         Quantized: the head as panels of codes too (cpu_linear.quantized_panels; a step
         reads the whole head: for Qwen2.5-0.5B 43 % of its bytes; the shipped GGUF files
         hold it as Q8_0), while the embedding's rows stay in the dtype."""
+        embed = getattr(self, "embed_tokens", None)
         if self.shard.spec.is_last_stage:
             head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
             panels = quantized_panels(head.weight, quantization, getattr(self, "grouped_head", None))
             self.grouped_head = None
             if panels is not None:
                 self.packed_head, self.panels_head = None, panels
+                if quantization == "gguf" and self.tie_word_embeddings:
+                    embed.hold_codes(panels)  # the file's rows, looked up in the head's codes
             else:
                 self.packed_head, self.panels_head = weight_copies(head.weight)
+        grouped = getattr(self, "grouped_embed", None)
+        if embed is not None and embed.weight is not None and grouped is not None:
+            embed.hold_codes(quantized_panels(embed.weight, "gguf", grouped))  # its own codes
+        self.grouped_embed = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (full, unsharded) into our parameters, each parameter

@@ -119,14 +119,21 @@ class NativeDecode:
             rows.rows,
         )
 
-    def step(self, embed: torch.Tensor, rotary, plan, head) -> cpu_fused.StepLogits | None:
+    def step(
+        self, embed: torch.Tensor | cpu_native.Panels, rotary, plan, head
+    ) -> cpu_fused.StepLogits | None:
         """A decode step from its tokens (`plan`: a StepPlan of one token a sequence): the
         embedding, RoPE tables, every layer and `head` (the final norm's weight, the LM
         head's panels) in one call: the fp32 logits and their argmax, or None where it does
         not qualify (the caller then runs the modules)."""
-        if len(plan.input_ids) > cpu_native.LINEAR_ROWS[self.dtype] or embed.dtype != self.dtype:
+        if len(plan.input_ids) > cpu_native.LINEAR_ROWS[self.dtype]:
             return None
-        if not (embed.is_contiguous() and rotary.cos.is_contiguous() and rotary.sin.is_contiguous()):
+        if isinstance(embed, cpu_native.Panels):  # an embedding held as grouped codes
+            if cpu_native.weight_codes(embed) != 2:
+                return None
+        elif embed.dtype != self.dtype or not embed.is_contiguous():
+            return None
+        if not (rotary.cos.is_contiguous() and rotary.sin.is_contiguous()):
             return None
         return cpu_fused.decode_step(
             self.layers,

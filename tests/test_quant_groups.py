@@ -138,9 +138,9 @@ TEXT = (  # Dickens, public domain
 def test_smollm2_from_its_gguf_holds_the_files_codes_and_predicts_as_transformers(gguf_llm, smollm2_path):
     """The file's Q4_1 linears and Q8_0 tied head, repacked: the weights transformers'
     converter de-quantized (the folder's safetensors) bit for bit, ~4.6x fewer bytes than
-    fp32; and teacher-forced next tokens as transformers predicts them with those weights
-    (what the activations' quantization per group of 32 changes,
-    on one text: 98-99 %; llama.cpp quantizes them alike)."""
+    fp32, the embedding's rows looked up in the head's codes; and teacher-forced next tokens
+    as transformers predicts them with those weights (what the activations' quantization per
+    group of 32 changes, on one text: 98-99 %; llama.cpp quantizes them alike)."""
     from conftest import assert_no_leaks
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,6 +157,13 @@ def test_smollm2_from_its_gguf_holds_the_files_codes_and_predicts_as_transformer
     assert torch.equal(cpu_native.dequantized(layer.mlp.down_proj.panels), hf_layer.mlp.down_proj.weight)
     assert torch.equal(cpu_native.dequantized(model.panels_head), hf.lm_head.weight)
     assert layer.mlp.down_proj.panels.data.nbytes * 4.6 < hf_layer.mlp.down_proj.weight.nbytes
+    # the tied embedding's rows are looked up in the head's codes: no dense copy
+    embed = model.embed_tokens
+    assert embed.weight is None and embed.panels.data.data_ptr() == model.panels_head.data.data_ptr()
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 300]])
+    assert torch.equal(embed(ids), hf.model.embed_tokens.weight[ids])
+    with pytest.raises(IndexError):
+        embed(torch.tensor([49152]))
 
     ids = AutoTokenizer.from_pretrained(smollm2_path)(TEXT).input_ids
     with torch.no_grad():
