@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvray.errors import InvalidArgumentError, UnsupportedArchitectureError
+
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` values whose conversion gives a model kvray runs
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -108,7 +111,8 @@ GGUF_NAME = "model.gguf"  # the source GGUF, kept in its converted folder (quant
 def _converted(name: str, source: Callable[[Path], Path]) -> Path:
     """The folder `name` converted from the GGUF `source(tmp)` gives, the GGUF kept in it
     as GGUF_NAME (a downloaded one moved there, a local one linked); a folder converted
-    before the GGUF was kept gets it now."""
+    before the GGUF was kept gets it now, where it can be fetched (else it serves without
+    it: `quantization="gguf"` then says it needs one)."""
     target = cache_dir() / "models" / name
     if (target / "config.json").exists() and (target / GGUF_NAME).exists():
         return target
@@ -123,7 +127,12 @@ def _converted(name: str, source: Callable[[Path], Path]) -> Path:
                 _keep(gguf, out / GGUF_NAME, Path(tmp))
                 shutil.move(str(out), str(target))
             elif not (target / GGUF_NAME).exists():
-                _keep(source(Path(tmp)), target / GGUF_NAME, Path(tmp))
+                try:
+                    _keep(source(Path(tmp)), target / GGUF_NAME, Path(tmp))
+                except (OSError, subprocess.CalledProcessError, InvalidArgumentError) as e:
+                    logger.warning(
+                        "kvray: %s has no %s and it could not be fetched (%s)", target, GGUF_NAME, e
+                    )
     return target
 
 

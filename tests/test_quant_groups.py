@@ -184,3 +184,21 @@ def test_gguf_needs_a_gguf_model_and_int4_a_k_in_groups_of_32():
     with pytest.raises(InvalidArgumentError, match="quantization.*groups of 32"):
         cpu_linear.quantized_panels(torch.randn(8, 40), "int4")
     assert cpu_linear.quantized_panels(torch.randn(8, 64), "int4").data.dtype == torch.uint8
+
+
+def test_a_folder_converted_before_the_gguf_was_kept_gets_it_or_serves_without_it(tmp_path, monkeypatch):
+    from kvray.models import fetch
+
+    monkeypatch.setenv("KVRAY_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / "old"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+
+    def offline(tmp):
+        raise OSError("no network")
+
+    assert fetch._converted("old", offline) == folder and not (folder / fetch.GGUF_NAME).exists()
+    source = tmp_path / "elsewhere.gguf"
+    source.write_bytes(b"GGUF")
+    assert fetch._converted("old", lambda tmp: source) == folder  # a local file: linked
+    assert (folder / fetch.GGUF_NAME).resolve() == source.resolve()
