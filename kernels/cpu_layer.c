@@ -86,7 +86,6 @@ int64_t kvray_argmax_row_f32(const float *x, int64_t n);
 void kvray_linear_item_q(int kind, const void *quantized, const void *w_panels, const void *bias, void *out,
                          int64_t out_stride, int64_t m, int64_t n, int64_t k, int64_t items, int64_t i);
 int64_t kvray_rows_q_bytes(int64_t m, int64_t k, int group);
-int kvray_linear_q_group(const void *w);
 void kvray_linear_q_quantize_row(int bf16_x, const void *x_row, const void *w, int64_t m, int64_t k, int64_t r,
                                  void *buffer);
 void kvray_linear_q_rows(const void *w, int64_t n, int64_t k, const int64_t *ids, int64_t m, void *out, int bf16_out);
@@ -151,9 +150,17 @@ static void rows_out(const RowsOut *o, int bf16_io, const void *row, int64_t dim
     if (o->xq) kvray_linear_q_quantize_row(bf16_io, row, o->w, o->m, dim, r, o->xq);
 }
 
-/* a buffer for a step's rows quantized for panels w (grouped codes), or NULL */
-static void *rows_out_buffer(int codes, const void *w, int64_t m, int64_t k) {
-    return codes == GROUPED ? malloc(kvray_rows_q_bytes(m, k, kvray_linear_q_group(w))) : 0;
+/* bytes for a step's m rows of k values quantized for grouped codes (any group: the
+ * smallest, 16, needs the most), 64-byte multiples; 0 for other weights */
+static int64_t rows_out_bytes(int codes, int64_t m, int64_t k) {
+    return codes == GROUPED ? (kvray_rows_q_bytes(m, k, 16) + 63) / 64 * 64 : 0;
+}
+
+/* the next `bytes` of *at (advanced past them), or NULL for none */
+static void *rows_out_take(char **at, int64_t bytes) {
+    void *taken = bytes ? *at : 0;
+    *at += bytes;
+    return taken;
 }
 
 /* the LM head's item i (a range of its panels, as linear_item), then, in bf16, its columns
@@ -383,6 +390,11 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     uint8_t *flags = calloc(flags_total, 1);
     for (int64_t j = 0, offset = 0; j < num_shares; offset += shares[j].n, j++) shares[j].flags = flags + offset;
     char *arena = malloc(per_layer * num_layers);
+    /* grouped codes: the rows the row phases quantize for the linears after them (RowsOut) */
+    const int64_t q_hidden = rows_out_bytes(sh->weight_codes, rows, hidden);
+    const int64_t q_inter = rows_out_bytes(sh->weight_codes, rows, inter);
+    const int64_t q_head = head ? rows_out_bytes(head->weight_codes, rows, hidden) : 0;
+    char *quantized = malloc((2 * q_hidden + q_inter) * num_layers + q_head + 1), *q_at = quantized;
     /* the head's input rows, and its output before widening (bf16; fp32 writes the logits) */
     void *head_in = head ? malloc(rows * hidden * size) : 0;
     void *head_out = head && bf16_io ? malloc(rows * head->n * size) : head ? (void *)head->logits : 0;
@@ -402,11 +414,11 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         const DecodePlan *plan = &plans[plan_of[i]];
         bufs[i].parts = part_at;
         part_at += plan->num_parts * plan->per_part;
-        bufs[i].h_q = rows_out_buffer(sh->weight_codes, layers[i].qkv, rows, hidden);
-        bufs[i].h2_q = rows_out_buffer(sh->weight_codes, layers[i].gate_up, rows, hidden);
-        bufs[i].act_q = rows_out_buffer(sh->weight_codes, layers[i].down, rows, inter);
+        bufs[i].h_q = rows_out_take(&q_at, q_hidden);
+        bufs[i].h2_q = rows_out_take(&q_at, q_hidden);
+        bufs[i].act_q = rows_out_take(&q_at, q_inter);
     }
-    void *head_q = head ? rows_out_buffer(head->weight_codes, head->panels, rows, hidden) : 0;
+    void *head_q = rows_out_take(&q_at, q_head);
     const int64_t row = sh->kv_int8 ? d + (int64_t)sizeof(float) : d * size, token = sh->num_kv_heads * row;
     const int quant = sh->kv_int8 ? INT8 : bf16_io ? BF16 : F32;
 #pragma omp parallel num_threads(num_threads)
@@ -467,12 +479,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
         }
         kvray_decode_scratch_free(&scratch);
     }
-    for (int32_t i = 0; i < num_layers; i++) {
-        free(bufs[i].h_q);
-        free(bufs[i].h2_q);
-        free(bufs[i].act_q);
-    }
-    free(head_q);
+    free(quantized);
     free(shares);
     free(bufs);
     free(flags);
