@@ -146,9 +146,7 @@ def quantized_panels(
         codes, scales, mins = cpu_groups.quantize_int4(weight, 32)
         return cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, 4, 32), n, k)
     if quantization == "gguf" and grouped is not None:
-        n, k = grouped.codes.shape
-        data = cpu_groups.to_panels(grouped.codes, grouped.scales, grouped.mins, grouped.bits, grouped.group)
-        return cpu_native.Panels(data, n, k)
+        return grouped.panels()
     return None
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvray.errors import InvalidArgumentError
+from kvray.kernels import cpu_groups, cpu_native
 
 
 @dataclass
@@ -60,10 +61,12 @@ class Grouped:
         scales, mins = (t.repeat_interleave(self.group // group, 1) for t in (self.scales, self.mins))
         return Grouped(self.codes, scales, mins, bits, group)
 
-    def dequantized(self) -> torch.Tensor:
+    def panels(self) -> cpu_native.Panels:
+        """In the kernel's panels (kernels/cpu_groups.py)."""
         n, k = self.codes.shape
-        w = self.codes.float().view(n, -1, self.group) * self.scales[:, :, None] + self.mins[:, :, None]
-        return w.view(n, k)
+        return cpu_native.Panels(
+            cpu_groups.to_panels(self.codes, self.scales, self.mins, self.bits, self.group), n, k
+        )
 
 
 def stacked(parts: list[Grouped]) -> Grouped:
