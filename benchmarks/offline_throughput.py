@@ -140,9 +140,9 @@ def profile(llm, prompts, params) -> str:
 
 
 def run_transformers(model_path, reqs, dtype: torch.dtype, batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
+    from kvray.models.loader import transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model = transformers_model(Path(model_path), dtype)
     pad = model.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
     start = time.perf_counter()

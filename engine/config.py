@@ -32,6 +32,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA (fp16 without bf16); on CPU bf16 only if native, else fp32
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 (any device), fp8_e4m3 (CUDA)
     quantization: str | None = None  # QUANTIZATIONS
+    # modules kept in `dtype` under `quantization` (shell patterns of module names, as
+    # compressed-tensors' `ignore`): "lm_head", "embed_tokens", "layers.0.*",
+    # "*.down_proj" (attention's q/k/v are one `qkv_proj`, the MLP's gate/up `gate_up_proj`)
+    quantization_ignore: tuple[str, ...] = ()
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -70,6 +74,12 @@ class EngineConfig:
             raise InvalidArgumentError("kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidArgumentError("quantization", self.quantization, f"one of {list(QUANTIZATIONS)}")
+        ignore = self.quantization_ignore
+        if isinstance(ignore, str) or not all(isinstance(p, str) and p for p in ignore):
+            raise InvalidArgumentError(
+                "quantization_ignore", ignore, "a list of module name patterns, e.g. [lm_head, layers.0.*]"
+            )
+        object.__setattr__(self, "quantization_ignore", tuple(ignore))
         if self.block_size not in (8, 16, 32, 64, 128):
             raise InvalidArgumentError("block_size", self.block_size, "one of 8, 16, 32, 64, 128")
         check_range("max_num_seqs", self.max_num_seqs, low=1)

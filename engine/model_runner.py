@@ -32,7 +32,6 @@ from kvray.kernels.cpu_memory import huge_page_zeros
 from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
 from kvray.kernels.torch_backend import TorchBackend
 from kvray.models.cpu_linear import pack_model
-from kvray.models.fetch import GGUF_NAME
 from kvray.models.layers import head_dim_of
 from kvray.models.loader import build_model
 from kvray.models.parallel import ShardContext
@@ -66,10 +65,10 @@ def load_model(config: EngineConfig, hf_config, model_path, shard: ShardContext 
     device = engine_device(config)
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = resolve_max_model_len(config, hf_config)
-    model = build_model(hf_config, model_path, dtype, device, max_model_len, shard)
-    gguf = Path(model_path) / GGUF_NAME if model_path is not None else None  # the source of a GGUF model
-    gguf = gguf if gguf is not None and gguf.exists() else None
-    pack_model(model, dtype, device, config.quantization, gguf)  # CPU: weights packed once
+    path = Path(model_path) if model_path is not None else None
+    ignore = config.quantization_ignore
+    model = build_model(hf_config, path, dtype, device, max_model_len, shard, config.quantization, ignore)
+    pack_model(model, dtype, device, config.quantization, ignore)  # CPU: weights packed once
     return model, device, dtype, max_model_len
 
 

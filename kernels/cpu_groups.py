@@ -1,36 +1,69 @@
 """Weights as low-bit codes in groups along k, for kernels/cpu_linear_qg.c: each group of
-`group` values (16 or 32) of each output column has an fp32 scale and min, and stands for
-code * scale + min (codes of 4 or 8 bits). `quantization="int4"` quantizes a checkpoint's
+`group` values (16 or 32) of each output column has a scale and min, and stands for
+code * scale + min (codes of 4, 5, 6 or 8 bits; `Layout`). `quantization="int4"` quantizes a checkpoint's
 weights into it (`quantize_int4`); `"gguf"` repacks a GGUF file's blocks into it without
 loss (models/gguf_groups.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 WIDTH = 16  # output columns of a panel
-HEADER = 64  # bytes before the panels: int32 bits, int32 group
-BITS = (4, 8)
+HEADER = 64  # bytes before the panels: int32 bits, group, half, offset
+BITS = (4, 5, 6, 8)
 GROUPS = (16, 32)
 
 
-def block_bytes(bits: int, group: int) -> int:
-    """A panel's bytes for one group: its codes, 16 fp32 scales, 16 fp32 mins."""
-    return group * WIDTH * bits // 8 + 2 * WIDTH * 4
+@dataclass(frozen=True)
+class Layout:
+    """How a panel's block holds a group: codes of `bits`, scales (and mins) in fp16 where
+    `half` else fp32, and mins stored unless `offset` > 0 (each then -offset * scale)."""
+
+    bits: int
+    group: int
+    half: bool = False
+    offset: int = 0
+
+    @property
+    def code_bytes(self) -> int:
+        return self.group * WIDTH * self.bits // 8
+
+    @property
+    def scale_bytes(self) -> int:  # one block's 16 scales (or mins)
+        return WIDTH * (2 if self.half else 4)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.code_bytes + self.scale_bytes * (1 if self.offset else 2)
 
 
-def to_panels(
-    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int, group: int
-) -> torch.Tensor:
+def _bit_planes(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., quads, 64] -> their bits 4.. as planes [..., bits - 4, quads * 8]: a
+    little-endian 64-bit mask per quad, bit i of it code i's"""
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    planes = [((c >> b) & 1).view(*c.shape[:-1], 8, 8) * weights for b in range(4, bits)]
+    planes = [p.sum(-1, dtype=torch.uint8).flatten(-2) for p in planes]
+    return torch.stack(planes, dim=-2)
+
+
+def to_panels(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The bytes of the panels for codes [n, k] (unsigned, below 2**bits), scales and mins
-    [n, k / group] (kernels/cpu_linear_qg.c's layout)."""
+    [n, k / group] (kernels/cpu_linear_qg.c's layout). `half` needs scales and mins fp16
+    holds exactly; `offset` mins equal to -offset * scales."""
     n, k = codes.shape
+    bits, group = layout.bits, layout.group
     if bits not in BITS or group not in GROUPS or k % group:
         raise ValueError(
             f"grouped codes take bits in {BITS}, group in {GROUPS} dividing k; got {bits}, {group}, k={k}"
         )
     assert scales.shape == mins.shape == (n, k // group)
+    if layout.half and not (exact_in_half(scales) and exact_in_half(mins)):
+        raise ValueError("half scales need scales and mins that fp16 holds exactly")
+    if layout.offset and not torch.equal(mins.float(), scales.float() * -layout.offset):
+        raise ValueError(f"offset {layout.offset} needs mins = -{layout.offset} * scales")
     panels, groups = -(-n // WIDTH), k // group
 
     def padded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,50 +72,70 @@ def to_panels(
         return out
 
     c = padded(codes, torch.uint8).view(panels, WIDTH, groups, group // 4, 4)
-    c = c.permute(0, 2, 3, 1, 4)  # [P, groups, quads, 16, 4]
-    if bits == 4:
-        c = c.reshape(panels, groups, group // 8, 2, WIDTH, 4)
-        c = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
-    c = c.reshape(panels, groups, -1)
+    c = c.permute(0, 2, 3, 1, 4).reshape(panels, groups, group // 4, 64)  # [P, groups, quads, 64]
+    if bits == 8:
+        code_bytes = c.reshape(panels, groups, -1)
+    else:
+        pairs = (c & 15).reshape(panels, groups, group // 8, 2, 64)
+        nibbles = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(panels, groups, -1)
+        parts = [nibbles] + ([_bit_planes(c, bits).reshape(panels, groups, -1)] if bits > 4 else [])
+        code_bytes = torch.cat(parts, dim=2)
 
-    def columns(t: torch.Tensor) -> torch.Tensor:  # [n, groups] fp32 -> [P, groups, 64] bytes
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [n, groups] -> [P, groups, 16 values' bytes]
+        dtype = torch.float16 if layout.half else torch.float32
         return (
-            padded(t.float(), torch.float32)
+            padded(t.float(), dtype)
             .view(panels, WIDTH, groups)
             .transpose(1, 2)
             .contiguous()
             .view(torch.uint8)
         )
 
-    blocks = torch.cat([c, columns(scales), columns(mins)], dim=2)
+    blocks = torch.cat([code_bytes, columns(scales)] + ([] if layout.offset else [columns(mins)]), dim=2)
     header = torch.zeros(HEADER, dtype=torch.uint8)
-    header[:8] = torch.tensor([bits, group], dtype=torch.int32).view(torch.uint8)
+    fields = [bits, group, int(layout.half), layout.offset]
+    header[:16] = torch.tensor(fields, dtype=torch.int32).view(torch.uint8)
     return torch.cat([header, blocks.reshape(-1)])
 
 
-def layout(data: torch.Tensor) -> tuple[int, int]:
-    """(bits, group) of panels' bytes."""
-    bits, group = data[:8].view(torch.int32).tolist()
-    return bits, group
+def exact_in_half(t: torch.Tensor) -> bool:
+    """Whether fp16 holds every value of t exactly."""
+    t = t.float()
+    return bool(torch.equal(t.half().float(), t))
+
+
+def layout(data: torch.Tensor) -> Layout:
+    """The layout of panels' bytes (their header)."""
+    bits, group, half, offset = data[:16].view(torch.int32).tolist()
+    return Layout(bits, group, bool(half), offset)
 
 
 def dequantized(data: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The fp32 weight [n, k] the panels stand for (code x scale + min)."""
-    bits, group = layout(data)
+    lay = layout(data)
+    bits, group = lay.bits, lay.group
     panels, groups = -(-n // WIDTH), k // group
-    blocks = data[HEADER:].view(panels, groups, block_bytes(bits, group))
-    code_bytes = group * WIDTH * bits // 8
-    c = blocks[:, :, :code_bytes]
-    if bits == 4:
-        c = c.reshape(panels, groups, group // 8, 1, WIDTH, 4)
-        c = torch.cat([c & 15, c >> 4], dim=3)
+    blocks = data[HEADER:].view(panels, groups, lay.block_bytes)
+    c = blocks[:, :, : lay.code_bytes]
+    if bits == 8:
+        c = c.reshape(panels, groups, group // 4, 64)
+    else:
+        nib = c[:, :, : group * 8].reshape(panels, groups, group // 8, 1, 64)
+        c_low = torch.cat([nib & 15, nib >> 4], dim=3).reshape(panels, groups, group // 4, 64)
+        c = c_low.clone()
+        planes = blocks[:, :, group * 8 : lay.code_bytes].reshape(panels, groups, bits - 4, group // 4, 8)
+        for b in range(bits - 4):
+            bit = (planes[:, :, b, :, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., quads, 8, 8]
+            c |= bit.reshape(panels, groups, group // 4, 64) << (4 + b)
     c = c.reshape(panels, groups, group // 4, WIDTH, 4).permute(0, 3, 1, 2, 4).reshape(panels * WIDTH, k)
 
     def columns(start: int) -> torch.Tensor:
-        t = blocks[:, :, start : start + WIDTH * 4].contiguous().view(torch.float32)  # [P, groups, 16]
+        dtype = torch.float16 if lay.half else torch.float32
+        t = blocks[:, :, start : start + lay.scale_bytes].contiguous().view(dtype).float()  # [P, groups, 16]
         return t.transpose(1, 2).reshape(panels * WIDTH, groups)
 
-    scales, mins = columns(code_bytes), columns(code_bytes + WIDTH * 4)
+    scales = columns(lay.code_bytes)
+    mins = scales * -lay.offset if lay.offset else columns(lay.code_bytes + lay.scale_bytes)
     w = c.float().view(-1, groups, group) * scales[:, :, None] + mins[:, :, None]
     return w.view(-1, k)[:n]
 

@@ -1,9 +1,11 @@
 /* y = x W^T (+ b) with W held as low-bit codes in groups along k: each group of `group`
- * values (16 or 32) of each output column has its own fp32 scale and min, and the weight
- * it stands for is code * scale + min (codes 4 or 8 bits, unsigned). The weight matmuls of
- * `quantization="int4"` (codes 0..15, groups of 32) and `"gguf"`, whose blocks repack into
- * this layout without loss (models/gguf_groups.py: Q4_0, Q4_1, Q4_K as 4-bit codes; Q5_0,
- * Q5_1, Q5_K, Q8_0 as 8-bit codes in groups of 32; Q6_K in groups of 16).
+ * values (16 or 32) of each output column has its own scale and min, and the weight it
+ * stands for is code * scale + min (codes of 4, 5, 6 or 8 bits, unsigned). The weight
+ * matmuls of `quantization="int4"` (codes 0..15, groups of 32) and `"gguf"`, whose blocks
+ * repack into this layout without loss (models/gguf_groups.py: Q4_x as 4-bit codes, Q5_x
+ * as 5-bit, Q6_K as 6-bit in groups of 16, Q8_0 as 8-bit). Scales (and mins) are fp32, or
+ * fp16 where the file's are (`half`); a symmetric format's min is -offset * scale and not
+ * stored (`offset` > 0): the codes take the file's bytes, give or take its block headers.
  *
  * The activations are quantized too, as llama.cpp does: each row's group of `group` values
  * to int8 codes (scale d = max |x| / 127, rounded to nearest even), and a group's dot
@@ -15,14 +17,17 @@
  * result does not depend on the other rows of the step (speculation's verified tokens
  * equal plain decoding's).
  *
- * Layout (built once by cpu_native.to_panels_groups): a 64-byte header {bits, group}, then
- * panels of 16 output columns (P = ceil(n / 16), zero codes, scales and mins past n), each
- * k / group blocks of
- *   codes: group / 4 quads of [16 columns][4 consecutive k] bytes (8-bit), or for 4 bits
- *          group / 8 64-byte chunks, chunk h holding quad 2h in its low nibbles and quad
- *          2h + 1 in its high ones
- *   16 fp32 scales, 16 fp32 mins
- * so the 16 columns' codes of 4 consecutive k are one 64-byte vector: `vpdpbusd`'s shape.
+ * Layout (built once by kernels/cpu_groups.py to_panels): a 64-byte header {bits, group,
+ * half, offset}, then panels of 16 output columns (P = ceil(n / 16), zero codes, scales and
+ * mins past n), each k / group blocks of
+ *   codes: 8 bits: group / 4 quads of [16 columns][4 consecutive k] bytes; 4 to 6 bits:
+ *          group / 8 64-byte chunks of the codes' low 4 bits, chunk h holding quad 2h in
+ *          its low nibbles and quad 2h + 1 in its high ones, then (5 and 6 bits) a plane
+ *          per higher bit: a 64-bit mask per quad, bit 4 c + j of column c's code for the
+ *          quad's k j
+ *   16 scales, then 16 mins unless offset > 0 (fp32, or fp16 where half)
+ * so the 16 columns' codes of 4 consecutive k are one 64-byte vector: `vpdpbusd`'s shape
+ * (a high bit plane's mask adds its bit to the nibbles with one masked byte add).
  *
  * Rows go through in tiles of up to ROWS_Q over a panel (the panel's block read once for
  * the tile). kvray_linear_q_f32/bf16 quantize x once for all their items; the fused decode
@@ -57,8 +62,57 @@
 #define HEADER_Q 64
 
 typedef struct {
-    int32_t bits, group;
+    int32_t bits, group, half, offset;
 } HeaderQ;
+
+/* a header's layout and its blocks' sizes in bytes */
+typedef struct {
+    int bits, group, half, offset;
+    int64_t codes, scales, block; /* a block's codes, its 16 scales, the whole block */
+} LayoutQ;
+
+static LayoutQ layout_q(const void *w) {
+    const HeaderQ *h = (const HeaderQ *)w;
+    LayoutQ l = {h->bits, h->group, h->half, h->offset, 0, 0, 0};
+    l.codes = (int64_t)l.group * PANEL_Q * l.bits / 8;
+    l.scales = PANEL_Q * (l.half ? 2 : 4);
+    l.block = l.codes + l.scales * (l.offset ? 1 : 2);
+    return l;
+}
+
+static inline float half_to_f32(uint16_t h) {
+    const int exp = h >> 10 & 31, man = h & 1023;
+    const float v = exp == 0 ? ldexpf((float)man, -24) : exp == 31 ? (man ? NAN : INFINITY) : ldexpf((float)(man | 1024), exp - 25);
+    return h & 0x8000 ? -v : v;
+}
+
+/* column c's scale and min in a block */
+static inline void scale_min_q(const LayoutQ *l, const uint8_t *block, int c, float *scale, float *min) {
+    const uint8_t *at = block + l->codes;
+    uint16_t h;
+    if (l->half) {
+        memcpy(&h, at + 2 * c, 2);
+        *scale = half_to_f32(h);
+    } else
+        memcpy(scale, at + 4 * c, 4);
+    if (l->offset)
+        *min = *scale * -(float)l->offset;
+    else if (l->half) {
+        memcpy(&h, at + l->scales + 2 * c, 2);
+        *min = half_to_f32(h);
+    } else
+        memcpy(min, at + l->scales + 4 * c, 4);
+}
+
+/* column c's code for the group's k j */
+static inline int32_t code_q(const uint8_t *block, int bits, int group, int c, int j) {
+    if (bits == 8) return block[64 * (j / 4) + 4 * c + j % 4];
+    int32_t code = block[64 * (j / 8) + 4 * c + j % 4] >> (4 * (j / 4 % 2)) & 15;
+    const int bit = 4 * c + j % 4;
+    const uint8_t *plane = block + group * 8 + 8 * (j / 4);
+    for (int b = 0; b < bits - 4; b++) code |= (plane[b * group * 2 + bit / 8] >> (bit % 8) & 1) << (4 + b);
+    return code;
+}
 
 /* Rows of x quantized per group: codes [m][k], scales d [m][k / group], and
  * s = d * (sum of the group's codes) [m][k / group] */
@@ -67,10 +121,6 @@ typedef struct {
     float *d, *s;
     int64_t k, groups;
 } RowsQ;
-
-static inline int64_t block_bytes_q(int bits, int group) {
-    return (int64_t)group * PANEL_Q * bits / 8 + 2 * PANEL_Q * (int64_t)sizeof(float);
-}
 
 /* bytes for m rows of k values quantized in groups */
 int64_t kvray_rows_q_bytes(int64_t m, int64_t k, int group) {
@@ -121,26 +171,41 @@ static inline void store_q(const float *sums, const void *bias, void *out, int c
 }
 
 #if HAS_VNNI_Q
+static inline __m512 load16_ps(const uint8_t *at, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at)) : _mm512_loadu_ps(at);
+}
+
 /* rows r0 .. r0 + rows of q over one panel's blocks: sums[i][16] */
 static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t r0, const uint8_t *panel,
-                                                         const int bits, int group, const int rows,
+                                                         const int bits, const LayoutQ *l, const int rows,
                                                          float sums[][PANEL_Q]) {
     __m512 acc[ROWS_Q];
     for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t bb = block_bytes_q(bits, group), cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int group = l->group;
+    const __m512i low = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(16), b5 = _mm512_set1_epi8(32);
     for (int64_t g = 0; g < q->groups; g++) {
-        const uint8_t *block = panel + g * bb;
+        const uint8_t *block = panel + g * l->block, *planes = block + group * 8;
         __m512i dot[ROWS_Q];
         const int8_t *xg[ROWS_Q];
         for (int i = 0; i < rows; i++) {
             dot[i] = _mm512_setzero_si512();
             xg[i] = q->codes + (r0 + i) * q->k + g * group;
         }
-        if (bits == 4) {
+        if (bits != 8) {
             for (int h = 0; h < group / 8; h++) {
                 const __m512i raw = _mm512_loadu_si512(block + 64 * h);
-                const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                if (bits >= 5) { /* quad 2h's and 2h + 1's fifth (and sixth) bits */
+                    uint64_t m[2];
+                    memcpy(m, planes + 16 * h, 16);
+                    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m[0]), lo, b4);
+                    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m[1]), hi, b4);
+                    if (bits == 6) {
+                        memcpy(m, planes + group * 2 + 16 * h, 16);
+                        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m[0]), lo, b5);
+                        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m[1]), hi, b5);
+                    }
+                }
                 for (int i = 0; i < rows; i++) {
                     int32_t a, b;
                     memcpy(&a, xg[i] + 8 * h, 4);
@@ -159,7 +224,9 @@ static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t
                 }
             }
         }
-        const __m512 scale = _mm512_loadu_ps(block + cb), min = _mm512_loadu_ps(block + cb + 64);
+        const __m512 scale = load16_ps(block + l->codes, l->half);
+        const __m512 min = l->offset ? _mm512_mul_ps(scale, _mm512_set1_ps(-(float)l->offset))
+                                     : load16_ps(block + l->codes + l->scales, l->half);
         for (int i = 0; i < rows; i++) {
             const int64_t at = (r0 + i) * q->groups + g;
             const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(q->d[at]));
@@ -170,39 +237,72 @@ static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t
     for (int i = 0; i < rows; i++) _mm512_storeu_ps(sums[i], acc[i]);
 }
 #elif HAS_AVX2_Q
-/* sum += 4 consecutive products a lane, of 8 columns' codes w (0..15) and the row's 4 codes
- * x: `vpmaddubsw` pairs them into i16 (at most 2 * 15 * 127: no saturation), `vpmaddwd`
+/* sum += 4 consecutive products a lane, of 8 columns' codes w (0..63) and the row's 4 codes
+ * x: `vpmaddubsw` pairs them into i16 (at most 2 * 63 * 127: no saturation), `vpmaddwd`
  * adds the pairs into i32 */
 static inline __m256i dot4_avx2(__m256i sum, __m256i w, __m256i x) {
     return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
+/* 32 bits of a plane's mask -> 32 bytes, `value` where the bit is set */
+static inline __m256i bits_to_bytes(const uint8_t *at, char value) {
+    uint32_t m;
+    memcpy(&m, at, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                            3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(value));
+}
+
+static inline __m256 load8_ps(const uint8_t *at, int half) {
+    if (!half) return _mm256_loadu_ps((const float *)at);
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+#else
+    float v[8];
+    for (int c = 0; c < 8; c++) {
+        uint16_t h;
+        memcpy(&h, at + 2 * c, 2);
+        v[c] = half_to_f32(h);
+    }
+    return _mm256_loadu_ps(v);
+#endif
+}
+
 /* as the AVX-512 tile, 8 columns a vector; 8-bit codes as 16 * high nibble + low nibble (a
  * byte code times 127 twice would saturate i16) */
 static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t r0, const uint8_t *panel,
-                                                         const int bits, int group, const int rows,
+                                                         const int bits, const LayoutQ *l, const int rows,
                                                          float sums[][PANEL_Q]) {
     __m256 acc[ROWS_Q][2];
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const int64_t bb = block_bytes_q(bits, group), cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
+    const int group = l->group;
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t g = 0; g < q->groups; g++) {
-        const uint8_t *block = panel + g * bb;
+        const uint8_t *block = panel + g * l->block, *planes = block + group * 8;
         __m256i dot[ROWS_Q][2], high[ROWS_Q][2];
         const int8_t *xg[ROWS_Q];
         for (int i = 0; i < rows; i++) {
             dot[i][0] = dot[i][1] = high[i][0] = high[i][1] = _mm256_setzero_si256();
             xg[i] = q->codes + (r0 + i) * q->k + g * group;
         }
-        const int chunks = bits == 4 ? group / 8 : group / 4;
+        const int chunks = bits == 8 ? group / 4 : group / 8;
         for (int h = 0; h < chunks; h++)
             for (int half = 0; half < 2; half++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32 * half));
-                const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                if (bits == 5 || bits == 6) { /* quad 2h's and 2h + 1's higher bits, these 8 columns' */
+                    for (int b = 0; b < bits - 4; b++) {
+                        const uint8_t *plane = planes + b * group * 2 + 16 * h + 4 * half;
+                        lo = _mm256_or_si256(lo, bits_to_bytes(plane, (char)(16 << b)));
+                        hi = _mm256_or_si256(hi, bits_to_bytes(plane + 8, (char)(16 << b)));
+                    }
+                }
                 for (int i = 0; i < rows; i++) {
                     int32_t a, b;
-                    memcpy(&a, xg[i] + (bits == 4 ? 8 : 4) * h, 4);
-                    if (bits == 4) { /* quad 2h in the low nibbles, 2h + 1 in the high */
+                    memcpy(&a, xg[i] + (bits == 8 ? 4 : 8) * h, 4);
+                    if (bits != 8) { /* quad 2h in the low nibbles, 2h + 1 in the high */
                         memcpy(&b, xg[i] + 8 * h + 4, 4);
                         dot[i][half] = dot4_avx2(dot[i][half], lo, _mm256_set1_epi32(a));
                         dot[i][half] = dot4_avx2(dot[i][half], hi, _mm256_set1_epi32(b));
@@ -214,8 +314,10 @@ static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t
                 }
             }
         for (int half = 0; half < 2; half++) {
-            const __m256 scale = _mm256_loadu_ps((const float *)(block + cb) + 8 * half);
-            const __m256 min = _mm256_loadu_ps((const float *)(block + cb + 64) + 8 * half);
+            const int64_t at8 = 8 * half * (l->half ? 2 : 4);
+            const __m256 scale = load8_ps(block + l->codes + at8, l->half);
+            const __m256 min = l->offset ? _mm256_mul_ps(scale, _mm256_set1_ps(-(float)l->offset))
+                                         : load8_ps(block + l->codes + l->scales + at8, l->half);
             for (int i = 0; i < rows; i++) {
                 const int64_t at = (r0 + i) * q->groups + g;
                 const __m256i total = _mm256_add_epi32(dot[i][half], _mm256_slli_epi32(high[i][half], 4));
@@ -233,26 +335,20 @@ static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t
 #else
 /* the same arithmetic, in the same order, a column at a time */
 static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t r0, const uint8_t *panel,
-                                                         const int bits, int group, const int rows,
+                                                         const int bits, const LayoutQ *l, const int rows,
                                                          float sums[][PANEL_Q]) {
-    const int64_t bb = block_bytes_q(bits, group), cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
     for (int i = 0; i < rows; i++)
         for (int c = 0; c < PANEL_Q; c++) sums[i][c] = 0.0f;
     for (int64_t g = 0; g < q->groups; g++) {
-        const uint8_t *block = panel + g * bb;
+        const uint8_t *block = panel + g * l->block;
         float scale[PANEL_Q], min[PANEL_Q];
-        memcpy(scale, block + cb, sizeof(scale));
-        memcpy(min, block + cb + 64, sizeof(min));
+        for (int c = 0; c < PANEL_Q; c++) scale_min_q(l, block, c, &scale[c], &min[c]);
         for (int i = 0; i < rows; i++) {
-            const int8_t *xg = q->codes + (r0 + i) * q->k + g * group;
+            const int8_t *xg = q->codes + (r0 + i) * q->k + g * l->group;
             const int64_t at = (r0 + i) * q->groups + g;
             for (int c = 0; c < PANEL_Q; c++) {
                 int32_t dot = 0;
-                for (int j = 0; j < group; j++) {
-                    const int32_t code = bits == 4 ? block[64 * (j / 8) + 4 * c + j % 4] >> (4 * (j / 4 % 2)) & 15
-                                                   : block[64 * (j / 4) + 4 * c + j % 4];
-                    dot += code * xg[j];
-                }
+                for (int j = 0; j < l->group; j++) dot += code_q(block, bits, l->group, c, j) * xg[j];
                 sums[i][c] = fmaf((float)dot, scale[c] * q->d[at], sums[i][c]);
                 sums[i][c] = fmaf(min[c], q->s[at], sums[i][c]);
             }
@@ -261,34 +357,35 @@ static inline __attribute__((always_inline)) void tile_q(const RowsQ *q, int64_t
 }
 #endif
 
-typedef void (*tile_q_fn)(const RowsQ *, int64_t, const uint8_t *, int, float[][PANEL_Q]);
-#define TILE_Q(ROWS, BITS)                                                                            \
-    static void tile_q_##ROWS##_##BITS(const RowsQ *q, int64_t r0, const uint8_t *panel, int group,  \
-                                       float sums[][PANEL_Q]) {                                       \
-        tile_q(q, r0, panel, BITS, group, ROWS, sums);                                                \
+typedef void (*tile_q_fn)(const RowsQ *, int64_t, const uint8_t *, const LayoutQ *, float[][PANEL_Q]);
+#define TILE_Q(ROWS, BITS)                                                                                      \
+    static void tile_q_##ROWS##_##BITS(const RowsQ *q, int64_t r0, const uint8_t *panel, const LayoutQ *l,     \
+                                       float sums[][PANEL_Q]) {                                                 \
+        tile_q(q, r0, panel, BITS, l, ROWS, sums);                                                              \
     }
-TILE_Q(1, 4) TILE_Q(2, 4) TILE_Q(3, 4) TILE_Q(4, 4) TILE_Q(5, 4) TILE_Q(6, 4) TILE_Q(7, 4) TILE_Q(8, 4)
-TILE_Q(1, 8) TILE_Q(2, 8) TILE_Q(3, 8) TILE_Q(4, 8) TILE_Q(5, 8) TILE_Q(6, 8) TILE_Q(7, 8) TILE_Q(8, 8)
-static const tile_q_fn TILES_Q[2][ROWS_Q + 1] = {
-    {0, tile_q_1_4, tile_q_2_4, tile_q_3_4, tile_q_4_4, tile_q_5_4, tile_q_6_4, tile_q_7_4, tile_q_8_4},
-    {0, tile_q_1_8, tile_q_2_8, tile_q_3_8, tile_q_4_8, tile_q_5_8, tile_q_6_8, tile_q_7_8, tile_q_8_8},
-};
+#define TILES_OF(BITS) \
+    TILE_Q(1, BITS) TILE_Q(2, BITS) TILE_Q(3, BITS) TILE_Q(4, BITS) TILE_Q(5, BITS) TILE_Q(6, BITS) TILE_Q(7, BITS) TILE_Q(8, BITS)
+#define ROW_OF(BITS)                                                                                   \
+    {0, tile_q_1_##BITS, tile_q_2_##BITS, tile_q_3_##BITS, tile_q_4_##BITS, tile_q_5_##BITS, tile_q_6_##BITS, \
+     tile_q_7_##BITS, tile_q_8_##BITS}
+TILES_OF(4) TILES_OF(5) TILES_OF(6) TILES_OF(8)
+static const tile_q_fn TILES_Q[4][ROWS_Q + 1] = {ROW_OF(4), ROW_OF(5), ROW_OF(6), ROW_OF(8)};
 
 /* Panels [p0, p1) of out = x W^T (+ b) for all m rows of q (bf16_io: bias and out bf16) */
 static void panels_q(int bf16_io, const RowsQ *q, const void *w, const void *bias, void *out, int64_t out_stride,
                      int64_t m, int64_t n, int64_t p0, int64_t p1) {
-    const HeaderQ *h = (const HeaderQ *)w;
+    const LayoutQ l = layout_q(w);
     const int64_t elem = bf16_io ? (int64_t)sizeof(bf16) : (int64_t)sizeof(float);
-    const int64_t pb = q->groups * block_bytes_q(h->bits, h->group);
+    const int64_t pb = q->groups * l.block;
     const uint8_t *data = (const uint8_t *)w + HEADER_Q;
-    const tile_q_fn *tiles = TILES_Q[h->bits == 8];
+    const tile_q_fn *tiles = TILES_Q[l.bits == 8 ? 3 : l.bits - 4];
     float sums[ROWS_Q][PANEL_Q];
     for (int64_t p = p0; p < p1; p++) {
         const int cols = n - p * PANEL_Q < PANEL_Q ? (int)(n - p * PANEL_Q) : PANEL_Q;
         const void *b = bias ? (const char *)bias + p * PANEL_Q * elem : 0;
         for (int64_t r = 0; r < m; r += ROWS_Q) {
             const int rows = m - r < ROWS_Q ? (int)(m - r) : ROWS_Q;
-            tiles[rows](q, r, data + p * pb, h->group, sums);
+            tiles[rows](q, r, data + p * pb, &l, sums);
             for (int i = 0; i < rows; i++)
                 store_q(sums[i], b, (char *)out + ((r + i) * out_stride + p * PANEL_Q) * elem, cols, bf16_io);
         }
@@ -346,24 +443,20 @@ int kvray_linear_q_native(void) { return HAS_VNNI_Q || HAS_AVX2_Q; }
  * [m, k] (fp32, or rounded to bf16): an embedding held as grouped codes (a tied LM head's, or
  * its own), looked up; code * scale + min, as the de-quantized weight holds it. */
 void kvray_linear_q_rows(const void *w, int64_t n, int64_t k, const int64_t *ids, int64_t m, void *out, int bf16_out) {
-    const HeaderQ *h = (const HeaderQ *)w;
-    const int64_t groups = k / h->group, bb = block_bytes_q(h->bits, h->group), pb = groups * bb;
-    const int64_t cb = bb - 2 * PANEL_Q * (int64_t)sizeof(float);
+    const LayoutQ l = layout_q(w);
+    const int64_t groups = k / l.group, pb = groups * l.block;
     const uint8_t *data = (const uint8_t *)w + HEADER_Q;
     (void)n;
     for (int64_t r = 0; r < m; r++) {
-        const int64_t c = ids[r] % PANEL_Q;
+        const int c = (int)(ids[r] % PANEL_Q);
         const uint8_t *panel = data + ids[r] / PANEL_Q * pb;
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *block = panel + g * bb;
+            const uint8_t *block = panel + g * l.block;
             float scale, min;
-            memcpy(&scale, block + cb + 4 * c, 4);
-            memcpy(&min, block + cb + 64 + 4 * c, 4);
-            for (int j = 0; j < h->group; j++) {
-                const int32_t code = h->bits == 4 ? block[64 * (j / 8) + 4 * c + j % 4] >> (4 * (j / 4 % 2)) & 15
-                                                  : block[64 * (j / 4) + 4 * c + j % 4];
-                const float v = fmaf((float)code, scale, min);
-                const int64_t at = r * k + g * h->group + j;
+            scale_min_q(&l, block, c, &scale, &min);
+            for (int j = 0; j < l.group; j++) {
+                const float v = fmaf((float)code_q(block, l.bits, l.group, c, j), scale, min);
+                const int64_t at = r * k + g * l.group + j;
                 if (bf16_out)
                     ((bf16 *)out)[at] = f32_to_bf16(v);
                 else

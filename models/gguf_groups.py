@@ -4,18 +4,19 @@ cpu_linear_qg.c), where the loader's de-quantized copy would be 4-8x the bytes.
 
 Every block format the shipped files use is a per-group affine map of unsigned codes:
 
-    Q4_0  32 / group, 4 bits   d * (q - 8)          scale d, min -8 d
-    Q4_1  32, 4 bits           d * q + m
-    Q4_K  32, 4 bits           d sc_j * q - dmin m_j (6-bit sc_j, m_j per 32 of 256)
-    Q5_0  32, 8-bit codes      d * (q - 16)
-    Q5_1  32, 8-bit codes      d * q + m
-    Q5_K  32, 8-bit codes      as Q4_K with a fifth bit
-    Q6_K  16, 8-bit codes      d sc_j * (q - 32)    (int8 sc_j per 16 of 256)
-    Q8_0  32, 8-bit codes      d * q                codes q + 128, min -128 d
+    Q4_0  32 / group, 4 bits   d * (q - 8)          scale d (fp16), min -8 d (not stored)
+    Q4_1  32, 4 bits           d * q + m            fp16 scale and min
+    Q4_K  32, 4 bits           d sc_j * q - dmin m_j (6-bit sc_j, m_j per 32 of 256; fp32)
+    Q5_0  32, 5 bits           d * (q - 16)         fp16 scale
+    Q5_1  32, 5 bits           d * q + m            fp16 scale and min
+    Q5_K  32, 5 bits           as Q4_K with a fifth bit
+    Q6_K  16, 6 bits           d sc_j * (q - 32)    (int8 sc_j per 16 of 256; fp32 scale)
+    Q8_0  32, 8 bits           d * q                codes q + 128, fp16 scale, min -128 d
 
 The products (an fp16 times a 6- or 8-bit scale, times a code) fit fp32's mantissa, so
 code * scale + min is the value `gguf.quants.dequantize` gives, bit for bit (the tests'
-oracle). 5- and 6-bit codes are held in bytes (the kernel's codes are 4 or 8 bits).
+oracle). Held this way a weight takes about the file's bytes: Q4_0, Q4_1, Q5_0, Q5_1 and
+Q8_0 exactly theirs, the K formats 1.2-1.33x (their per-group scales in fp32).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from kvray.errors import InvalidArgumentError
 from kvray.kernels import cpu_groups, cpu_native
+from kvray.models import gguf_file
 
 
 @dataclass
@@ -37,12 +40,17 @@ class Grouped:
     codes: torch.Tensor  # [n, k] uint8
     scales: torch.Tensor  # [n, k / group] fp32
     mins: torch.Tensor
-    bits: int  # 4 or 8
+    bits: int  # 4, 5, 6 or 8
     group: int  # 16 or 32
+    half: bool = False  # scales and mins held exactly in fp16
+    offset: int = 0  # > 0: every min is -offset * its scale (not stored)
+
+    def _with(self, codes, scales, mins) -> Grouped:
+        return Grouped(codes, scales, mins, self.bits, self.group, self.half, self.offset)
 
     def rows(self, rows: range) -> Grouped:
         r = slice(rows.start, rows.stop)
-        return Grouped(self.codes[r], self.scales[r], self.mins[r], self.bits, self.group)
+        return self._with(self.codes[r], self.scales[r], self.mins[r])
 
     def columns(self, cols: range) -> Grouped:
         """Columns [start, stop) of k (a tensor-parallel rank's), on group boundaries."""
@@ -53,32 +61,47 @@ class Grouped:
                 f"input-column slices on {self.group}-value group boundaries",
             )
         c, g = slice(cols.start, cols.stop), slice(cols.start // self.group, cols.stop // self.group)
-        return Grouped(self.codes[:, c], self.scales[:, g], self.mins[:, g], self.bits, self.group)
+        return self._with(self.codes[:, c], self.scales[:, g], self.mins[:, g])
 
-    def as_layout(self, bits: int, group: int) -> Grouped:
-        """The same weight with wider codes or smaller groups (no loss)."""
+    def as_layout(self, bits: int, group: int, half: bool, offset: int) -> Grouped:
+        """The same weight with wider codes, smaller groups, fp32 scales or stored mins (no loss)."""
         assert bits >= self.bits and self.group % group == 0
+        assert (self.half or not half) and offset in (0, self.offset)
         scales, mins = (t.repeat_interleave(self.group // group, 1) for t in (self.scales, self.mins))
-        return Grouped(self.codes, scales, mins, bits, group)
+        return Grouped(self.codes, scales, mins, bits, group, half, offset)
 
     def panels(self) -> cpu_native.Panels:
-        """In the kernel's panels (kernels/cpu_groups.py)."""
+        """In the kernel's panels (kernels/cpu_groups.py), built CHUNK values at a time (a
+        chunk's panels are one span of the bytes): what building them adds to the codes
+        stays small for the largest tensor."""
         n, k = self.codes.shape
-        return cpu_native.Panels(
-            cpu_groups.to_panels(self.codes, self.scales, self.mins, self.bits, self.group), n, k
-        )
+        layout = cpu_groups.Layout(self.bits, self.group, self.half, self.offset)
+        rows = _chunk_rows(k, cpu_groups.WIDTH)
+        spans = [
+            cpu_groups.to_panels(
+                self.codes[r : r + rows], self.scales[r : r + rows], self.mins[r : r + rows], layout
+            )
+            for r in range(0, n, rows)
+        ]
+        data = torch.cat([spans[0][: cpu_groups.HEADER]] + [s[cpu_groups.HEADER :] for s in spans])
+        return cpu_native.Panels(data, n, k)
 
 
 def stacked(parts: list[Grouped]) -> Grouped:
-    """Parts stacked along n (q|k|v, gate|up) in one layout: the widest codes, the smallest group."""
+    """Parts stacked along n (q|k|v, gate|up) in one layout: the widest codes, the smallest
+    group, fp16 scales and implied mins only where every part has them."""
     bits, group = max(p.bits for p in parts), min(p.group for p in parts)
-    parts = [p.as_layout(bits, group) for p in parts]
+    half = all(p.half for p in parts) and all(cpu_groups.exact_in_half(p.mins) for p in parts)
+    offset = parts[0].offset if all(p.offset == parts[0].offset for p in parts) else 0
+    parts = [p.as_layout(bits, group, half, offset) for p in parts]
     return Grouped(
         torch.cat([p.codes for p in parts]),
         torch.cat([p.scales for p in parts]),
         torch.cat([p.mins for p in parts]),
         bits,
         group,
+        half,
+        offset,
     )
 
 
@@ -106,8 +129,9 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _blocks(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """[blocks, bytes] of one format -> codes [blocks, values], scales and mins [blocks, groups]"""
+def _blocks(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, cpu_groups.Layout]:
+    """[blocks, bytes] of one format -> codes [blocks, values], scales and mins [blocks,
+    groups], and the layout that holds them"""
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         d = _f16(blocks, 0)
         has_min = kind.endswith("_1")
@@ -121,11 +145,12 @@ def _blocks(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
             q = q | (high << 4)
         offset = 16 if kind.startswith("Q5") else 8
         mins = m if has_min else -offset * d
-        return q, d[:, None], mins[:, None], 4 if kind.startswith("Q4") else 8, 32
+        layout = cpu_groups.Layout(4 if kind.startswith("Q4") else 5, 32, True, 0 if has_min else offset)
+        return q, d[:, None], mins[:, None], layout
     if kind == "Q8_0":
         d = _f16(blocks, 0)
         q = (blocks[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return q, d[:, None], (-128 * d)[:, None], 8, 32
+        return q, d[:, None], (-128 * d)[:, None], cpu_groups.Layout(8, 32, True, 128)
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
         sc, mn = _k_scales(blocks[:, 4:16])
@@ -136,7 +161,7 @@ def _blocks(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
             qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             qs = blocks[:, 48:176].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
             q = ((qs & 15).reshape(-1, 8, 32) | ((qh & 1) << 4)).reshape(-1, 256)
-        return q, d[:, None] * sc, -(dmin[:, None] * mn), 4 if kind == "Q4_K" else 8, 32
+        return q, d[:, None] * sc, -(dmin[:, None] * mn), cpu_groups.Layout(4 if kind == "Q4_K" else 5, 32)
     if kind == "Q6_K":
         ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
         ql = (ql & 15).reshape(-1, 2, 128)
@@ -144,7 +169,7 @@ def _blocks(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
         qh = (qh & 3).reshape(-1, 2, 128)
         q = (ql | (qh << 4)).reshape(-1, 256)
         scale = _f16(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
-        return q, scale, -32 * scale, 8, 16
+        return q, scale, -32 * scale, cpu_groups.Layout(6, 16, False, 32)
     raise KeyError(kind)
 
 
@@ -162,49 +187,30 @@ def grouped(tensor) -> Grouped:
         )
     k, n = (int(v) for v in tensor.shape[:2])
     per, size = GGML_QUANT_SIZES[tensor.tensor_type]
-    blocks = np.asarray(tensor.data).reshape(n * (k // per), size)
-    q, scales, mins, bits, group = _blocks(blocks, kind)
+    blocks = np.asarray(tensor.data).reshape(n, (k // per) * size)
+    rows = _chunk_rows(k, 1)
+    parts = [_blocks(blocks[r : r + rows].reshape(-1, size), kind) for r in range(0, n, rows)]
+    layout, groups = parts[0][3], k // parts[0][3].group
+
+    def joined(i: int, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([np.asarray(p[i], dtype=dtype).reshape(-1) for p in parts]))
+
     return Grouped(
-        torch.from_numpy(np.ascontiguousarray(q)).view(n, k),
-        torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(n, k // group),
-        torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).reshape(n, k // group),
-        bits,
-        group,
+        joined(0, np.uint8).view(n, k),
+        joined(1, np.float32).view(n, groups),
+        joined(2, np.float32).view(n, groups),
+        layout.bits,
+        layout.group,
+        layout.half,
+        layout.offset,
     )
 
 
-# GGUF tensor names -> Hugging Face's (llama, qwen2, gemma3)
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+CHUNK = 1 << 22  # values a chunk of a tensor's rows holds while it is repacked
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF weight, or None for one that is not a linear's."""
-    if name == "output.weight":
-        return "lm_head.weight"
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    return None
-
-
-def _unpermuted(g: Grouped, heads: int) -> Grouped:
-    """llama q/k rows back in Hugging Face's order (the converter interleaved each head's
-    two rotary halves; transformers' GGUF loader undoes it the same way)"""
-
-    def order(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
-    return Grouped(order(g.codes), order(g.scales), order(g.mins), g.bits, g.group)
+def _chunk_rows(k: int, multiple: int) -> int:
+    return max(multiple, CHUNK // k // multiple * multiple)
 
 
 class GgufWeights:
@@ -215,53 +221,70 @@ class GgufWeights:
 
         self.path = path
         self.reader = GGUFReader(str(path))
-        self.tensors = {hf: t for t in self.reader.tensors if (hf := hf_name(t.name)) is not None}
-        arch = self.reader.fields.get("general.architecture")
-        self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+        self.arch = gguf_file.architecture(self.reader)
+        self.tensors = {
+            hf: t for t in self.reader.tensors if (hf := gguf_file.hf_name(t.name, self.arch)) is not None
+        }
         self.config = config
 
     def get(self, name: str) -> Grouped | None:
         """The weight `name` (HF) as Grouped, or None where the file holds it unquantized."""
         tensor = self.tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in FORMATS:
+        if tensor is None or tensor.tensor_type.name not in FORMATS or not name.endswith(".weight"):
             return None
         g = grouped(tensor)
-        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = self.config.num_attention_heads if "q_proj" in name else self.config.num_key_value_heads
-            g = _unpermuted(g, heads)
+        if (heads := gguf_file.rotary_heads(self.arch, name, self.config)) is not None:
+            g = g._with(*(gguf_file.unpermute(t, heads) for t in (g.codes, g.scales, g.mins)))
         return g
 
 
-def attach(model, path: Path) -> int:
-    """Give each linear of `model` (and its LM head) its weight from the GGUF at `path` as
-    `grouped` (this shard's rows or input columns), for pack_model's "gguf"; returns how
-    many it found quantized. Tensors the file holds unquantized stay as loaded."""
+def attach(model, path: Path, ignore: tuple[str, ...] = ()) -> set[str]:
+    """Give each linear of `model` (and its LM head, and an untied embedding) its weight
+    from the GGUF at `path` as `grouped`, the kernel's panels of this shard's rows or input
+    columns (built a tensor at a time: the codes are held about once), for pack_model's
+    "gguf", before any weight is loaded: each dense parameter they stand for
+    becomes a meta tensor (never allocated, never loaded). Returns the Hugging Face names
+    of the tensors held as codes; tensors the file holds unquantized, and modules `ignore`
+    names (cpu_linear.ignored), load as usual."""
+    from kvray.models.cpu_linear import ignored
     from kvray.models.layers import PackedLinear, RowParallelLinear
 
     weights = GgufWeights(path, model.config)
-    found = 0
+    held: set[str] = set()
+
+    def hold(module: nn.Module, names: list[str]) -> None:
+        module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+        held.update(names)
+
     for name, module in model.named_modules():
+        if ignored(model, name, ignore):
+            continue
         if isinstance(module, PackedLinear):
-            parts = [
-                (weights.get(model._hf_name(f"{name}.weight", p)), rows)
-                for p, (_, rows) in module.offsets.items()
-            ]
+            names = [model._hf_name(f"{name}.weight", p) for p in module.offsets]
+            parts = [(weights.get(hf), rows) for hf, (_, rows) in zip(names, module.offsets.values())]
             module.grouped = (
-                None if any(g is None for g, _ in parts) else stacked([g.rows(r) for g, r in parts])
+                None if any(g is None for g, _ in parts) else stacked([g.rows(r) for g, r in parts]).panels()
             )
         elif isinstance(module, RowParallelLinear):
-            g = weights.get(model._hf_name(f"{name}.weight", None))
-            module.grouped = None if g is None else g.columns(module.in_cols)
+            names = [model._hf_name(f"{name}.weight", None)]
+            g = weights.get(names[0])
+            module.grouped = None if g is None else g.columns(module.in_cols).panels()
         else:
             continue
-        found += module.grouped is not None
-    if hasattr(model, "norm"):  # the last stage: its LM head (a tied one is the embedding's rows)
+        if module.grouped is not None:
+            hold(module, names)
+    if hasattr(model, "norm") and not ignored(model, "lm_head", ignore):  # the last stage's LM head
         head = model.embed_tokens if model.tie_word_embeddings else model.lm_head
-        g = weights.get("model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight")
-        model.grouped_head = None if g is None else g.rows(head.rows)
-        found += g is not None
-    if hasattr(model, "embed_tokens") and not model.tie_word_embeddings:  # an untied embedding's own codes
+        hf = "model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
+        g = weights.get(hf)
+        model.grouped_head = None if g is None else g.rows(head.rows).panels()
+        if g is not None:
+            hold(head, [hf])
+    untied = hasattr(model, "embed_tokens") and not model.tie_word_embeddings
+    if untied and not ignored(model, "embed_tokens", ignore):
         g = weights.get("model.embed_tokens.weight")
-        model.grouped_embed = None if g is None else g.rows(model.embed_tokens.rows)
-        found += g is not None
-    return found
+        model.grouped_embed = None if g is None else g.rows(model.embed_tokens.rows).panels()
+        if g is not None:
+            hold(model.embed_tokens, ["model.embed_tokens.weight"])
+    model.gguf_codes = True
+    return held

@@ -226,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
                 self.packed_head, self.panels_head = None, panels
                 if quantization == "gguf" and self.tie_word_embeddings:
                     embed.hold_codes(panels)  # the file's rows, looked up in the head's codes
+                elif not self.tie_word_embeddings:
+                    head.weight = None  # the codes are the head's only copy
             else:
                 self.packed_head, self.panels_head = weight_copies(head.weight)
         grouped = getattr(self, "grouped_embed", None)
@@ -286,6 +288,8 @@ class LlamaForCausalLM(nn.Module):
             parts.setdefault(ours, []).append(part)
         wanted = set()
         for name in params:
+            if params[name].is_meta:  # held as codes (gguf_groups.attach): loads no tensor
+                continue
             fragment = next((f for f in parts if f".{f}." in name), None)
             wanted |= {(name, p) for p in parts[fragment]} if fragment else {(name, None)}
         return wanted

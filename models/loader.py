@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from transformers import AutoConfig
 
 from kvray.errors import InvalidArgumentError, UnknownModelError
 from kvray.models.fetch import ALIASES, fetch_alias, fetch_gguf
+from kvray.models.gguf_file import GGUF_NAME, iter_gguf
+from kvray.models.gguf_groups import attach
 from kvray.models.parallel import ShardContext
 from kvray.models.registry import model_class
 
@@ -55,14 +58,31 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def iter_safetensors(path: Path):
+def iter_weights(path: Path, config, skip: Callable[[str], bool] = lambda name: False):
+    """(Hugging Face name, tensor) for each weight of the folder that `skip` does not
+    refuse: its safetensors, or else its GGUF's tensors de-quantized one at a time."""
     files = sorted(path.glob("*.safetensors"))
+    if not files and (path / GGUF_NAME).exists():
+        yield from iter_gguf(path / GGUF_NAME, config, skip)
+        return
     if not files:
-        raise UnknownModelError("model", str(path), "a folder holding *.safetensors weights")
+        raise UnknownModelError(
+            "model", str(path), f"a folder holding *.safetensors weights or a {GGUF_NAME}"
+        )
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if not skip(name):
+                    yield name, f.get_tensor(name)
+
+
+def transformers_model(path: Path, dtype: torch.dtype):
+    """The folder's model in transformers (its GGUF read by transformers where the folder
+    holds no safetensors): the reference the tests and benchmarks compare against."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = {} if any(path.glob("*.safetensors")) else {"gguf_file": GGUF_NAME}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **gguf).eval()
 
 
 def build_model(
@@ -72,13 +92,18 @@ def build_model(
     device: torch.device,
     max_positions: int,
     shard: ShardContext | None = None,
+    quantization: str | None = None,
+    ignore: tuple[str, ...] = (),
 ):
     """Instantiate the architecture's class (this shard's part of it) and load weights
     (random init when path is None: the same full-model draw on every shard only when
-    seeds match, so sharded random models are for shapes, not for parity)."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    seeds match, so sharded random models are for shapes, not for parity).
+    `quantization="gguf"`: the linears the folder's GGUF holds quantized are read as codes
+    (models/gguf_groups.py attach) and never in full precision, but for the modules `ignore`
+    names."""
+    checkpoints = getattr(config, "quantization_config", None)
+    if checkpoints:
+        method = checkpoints.get("quant_method") if isinstance(checkpoints, dict) else checkpoints
         raise InvalidArgumentError(
             "model",
             str(path) if path is not None else "<config>",
@@ -88,9 +113,16 @@ def build_model(
     cls = model_class(config)
     with torch.device(device):
         model = cls(config, max_positions, shard)
+    held: set[str] = set()
+    if quantization == "gguf":
+        if path is None or not (path / GGUF_NAME).exists():
+            raise InvalidArgumentError(
+                "quantization", quantization, "a model loaded from a GGUF file (an alias or a .gguf path)"
+            )
+        held = attach(model, path / GGUF_NAME, ignore)
     if path is not None:
         try:
-            model.load_weights(iter_safetensors(path))
+            model.load_weights(iter_weights(path, config, held.__contains__))
         except InvalidArgumentError as e:
             raise InvalidArgumentError("model", str(path), e.allowed) from None
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,9 +57,9 @@ def tiny_draft(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
-    from transformers import AutoModelForCausalLM
+    from kvray.models.loader import transformers_model
 
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    return transformers_model(Path(smollm2_path), torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import gc
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,13 +54,13 @@ def _transformers_tokens() -> list[list[int]]:
     """transformers' greedy tokens of the 1.5B in fp32 on the same chat prompts (its
     memory freed before kvray's engines load)."""
     from conftest import hf_greedy
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from kvray.models.loader import resolve_model_path
+    from kvray.models.loader import resolve_model_path, transformers_model
 
     path = resolve_model_path(TARGET)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = transformers_model(Path(path), torch.float32)
     want = []
     for ask in ASKS:
         text = tokenizer.apply_chat_template(

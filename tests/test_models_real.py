@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from kvray.engine import LLM, SamplingParams
 from kvray.engine.dtype import cpu_has_native_bf16
 from kvray.errors import InvalidArgumentError, UnsupportedArchitectureError
 from kvray.models.fetch import ALIASES, _download_gguf
-from kvray.models.loader import resolve_model_path
+from kvray.models.loader import resolve_model_path, transformers_model
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +44,13 @@ MAX_TOKENS = 12
 )
 def real_model(request):
     """(alias, converted folder, transformers' model, prompts, its greedy tokens)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = resolve_model_path(request.param)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer(t).input_ids for t in TEXTS]
     assert len(prompts[-1]) > 512  # past Gemma 3's sliding window
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = transformers_model(Path(path), torch.float32)
     return request.param, path, hf, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
 
 
@@ -78,10 +79,10 @@ def test_alias_greedy_matches_transformers(real_model):
 def test_bf16_agrees_with_transformers_bf16(real_model):
     """bf16 weights and KV (the native bf16 kernels) against transformers in bf16, by the
     bf16 rule of test_parity_hf.py (conftest.greedy_agreement)."""
-    from transformers import AutoModelForCausalLM
+    from kvray.models.loader import transformers_model
 
     alias, path, _, prompts, _ = real_model
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = transformers_model(Path(path), torch.bfloat16)
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     llm = LLM(model=alias, dtype="bfloat16", max_num_batched_tokens=256, max_model_len=2048)
     outs = llm.generate(

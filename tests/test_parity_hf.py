@@ -7,6 +7,8 @@ max_tokens), and each is compared with transformers' generate on that prompt alo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import assert_no_leaks, greedy_agreement, hf_greedy
@@ -133,10 +135,10 @@ def test_bf16_greedy_agrees_with_transformers_bf16(smollm2_path, smollm2_tokeniz
     transformers' cached decode broke the other way, not a disagreement: such a prompt
     counts in full. Seen on a Xeon with AMX: `def fibonacci(n):` at its 7th token, logits
     29.25 (kvray's token; the top of the uncached forward) and 29.125, one bf16 step apart."""
-    from transformers import AutoModelForCausalLM
+    from kvray.models.loader import transformers_model
 
     prompts = _prompts(smollm2_tokenizer)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
+    hf = transformers_model(Path(smollm2_path), torch.bfloat16)
     expected = [hf_greedy(hf, p["prompt_token_ids"], m) for p, m in prompts]
     llm = LLM(model=str(smollm2_path), dtype="bfloat16", max_num_batched_tokens=256)
     got = [out.outputs[0].token_ids for out in _run(llm, prompts)]

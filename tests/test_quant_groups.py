@@ -5,6 +5,8 @@ transformers holding the same weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,14 +18,30 @@ pytestmark = pytest.mark.skipif(
     cpu_native.library() is None, reason="no C compiler: native kernels not built"
 )
 
-LAYOUTS = [(4, 32), (8, 32), (8, 16), (4, 16)]
+Layout = cpu_groups.Layout
+LAYOUTS = [  # every code width and group, fp32 and fp16 scales, stored and implied mins
+    Layout(4, 32),
+    Layout(4, 16, half=True),
+    Layout(4, 32, True, 8),
+    Layout(5, 32),
+    Layout(5, 32, True, 16),
+    Layout(6, 16, False, 32),
+    Layout(6, 32, True),
+    Layout(8, 32, True, 128),
+    Layout(8, 16),
+]
 
 
-def _weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _weight(n: int, k: int, layout: Layout, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    bits, group = layout.bits, layout.group
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
     scales = torch.rand(n, k // group, generator=g) * 0.02
     mins = -(2 ** (bits - 1)) * scales + torch.randn(n, k // group, generator=g) * 0.01
+    if layout.half:
+        scales, mins = scales.half().float(), mins.half().float()
+    if layout.offset:
+        mins = -layout.offset * scales
     return codes, scales, mins
 
 
@@ -34,14 +52,20 @@ def _reference(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     return xq @ w.double().T
 
 
-@pytest.mark.parametrize(("bits", "group"), LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(5, 64), (37, 96), (200, 128)])
-def test_grouped_panels_match_a_float64_matmul(bits, group, dtype, n, k):
-    codes, scales, mins = _weight(n, k, bits, group)
-    panels = cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, bits, group), n, k)
+def test_grouped_panels_match_a_float64_matmul(layout, dtype, n, k):
+    group = layout.group
+    codes, scales, mins = _weight(n, k, layout)
+    panels = cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, layout), n, k)
+    assert panels.data.numel() == cpu_groups.HEADER + -(-n // 16) * (k // group) * layout.block_bytes
     w = (codes.float().view(n, -1, group) * scales[:, :, None] + mins[:, :, None]).view(n, k)
     assert torch.equal(cpu_native.dequantized(panels), w)  # the layout round-trips
+    # an embedding's rows looked up in the codes: code * scale + min rounded once (fmaf)
+    fused = codes.double().view(n, -1, group) * scales.double()[:, :, None] + mins.double()[:, :, None]
+    ids = torch.tensor([[n - 1, 0], [n // 2, 3 % n]])
+    assert torch.equal(cpu_native.embedding_rows(panels, ids, torch.float32), fused.view(n, k).float()[ids])
     bias = torch.randn(n).to(dtype)
     for m in (1, 5, 8, 9, 64, 100):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
@@ -58,8 +82,8 @@ def test_grouped_panels_match_a_float64_matmul(bits, group, dtype, n, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_steps_other_rows(dtype):
-    codes, scales, mins = _weight(70, 256, 4, 32)
-    panels = cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, 4, 32), 70, 256)
+    codes, scales, mins = _weight(70, 256, Layout(5, 32, True, 16))
+    panels = cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, Layout(5, 32, True, 16)), 70, 256)
     x = torch.randn(13, 256).to(dtype)
     together = cpu_native.linear(x, panels, None)
     for i in range(13):
@@ -140,12 +164,13 @@ def test_smollm2_from_its_gguf_holds_the_files_codes_and_predicts_as_transformer
     as transformers predicts them with those weights (what the activations' quantization per
     group of 32 changes, on one text: 98-99 %; llama.cpp quantizes them alike)."""
     from conftest import assert_no_leaks
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from kvray.engine import SamplingParams
+    from kvray.models.loader import transformers_model
 
     model = gguf_llm.engine.runner.model
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    hf = transformers_model(Path(smollm2_path), torch.float32)
     layer, hf_layer = model.layers[3], hf.model.layers[3]
     q, k, v = cpu_native.dequantized(layer.self_attn.qkv_proj.panels).split([576, 192, 192])
     assert torch.equal(q, hf_layer.self_attn.q_proj.weight) and torch.equal(
@@ -200,3 +225,31 @@ def test_a_folder_converted_before_the_gguf_was_kept_gets_it_or_serves_without_i
     source.write_bytes(b"GGUF")
     assert fetch._converted("old", lambda tmp: source) == folder  # a local file: linked
     assert (folder / fetch.GGUF_NAME).resolve() == source.resolve()
+
+
+def test_quantization_ignore_keeps_the_named_modules_in_the_dtype(smollm2_path, hf_smollm2):
+    """Per-module precision: the LM head and layer 0 stay fp32 (read from the file, the
+    values transformers reads), the other layers keep the file's codes; the tied embedding
+    follows its head, and the mixed model generates (its fused decode step steps aside).
+    int8 likewise; a pattern naming no module is an error naming the field."""
+    from conftest import assert_no_leaks
+
+    from kvray.engine import LLM, SamplingParams
+    from kvray.errors import InvalidArgumentError
+
+    args = {"model": str(smollm2_path), "dtype": "float32", "max_model_len": 256}
+    llm = LLM(**args, quantization="gguf", quantization_ignore=["lm_head", "layers.0.*"])
+    model = llm.engine.runner.model
+    dense, coded = model.layers[0].mlp.down_proj, model.layers[1].mlp.down_proj
+    assert dense.panels.data.dtype == torch.float32 and coded.panels.data.dtype == torch.uint8
+    assert model.panels_head.data.dtype == torch.float32 and model.embed_tokens.weight is not None
+    hf_down = hf_smollm2.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(dense(torch.eye(hf_down.shape[1])).T, hf_down)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert_no_leaks(llm)
+    with pytest.raises(InvalidArgumentError, match="quantization_ignore.*layers.99"):
+        LLM(**args, quantization="int8", quantization_ignore=["layers.99.*"])
+    int8 = LLM(**args, quantization="int8", quantization_ignore=["lm_head"]).engine.runner.model
+    assert int8.panels_head.data.dtype == torch.float32
+    assert int8.layers[0].mlp.down_proj.panels.data.dtype == torch.int8

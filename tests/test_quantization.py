@@ -12,6 +12,8 @@ value it does not know.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,12 +71,13 @@ def int8_llm(smollm2_path):
 
 def test_int8_smollm2_gives_transformers_tokens_on_the_same_dequantized_weights(int8_llm, smollm2_path):
     from conftest import assert_no_leaks, greedy_agreement
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from kvray.engine import SamplingParams
     from kvray.kernels.kv_quant import QUANTS, dequantize, quantize
+    from kvray.models.loader import transformers_model
 
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    hf = transformers_model(Path(smollm2_path), torch.float32)
     with torch.no_grad():  # every layer's linears and the head as kvray holds them; the embedding as it is
         for layer in hf.model.layers:
             for lin in (*layer.self_attn.children(), *layer.mlp.children()):

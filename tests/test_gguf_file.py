@@ -1,0 +1,61 @@
+"""A GGUF model's folder (config, tokenizer, the file; no full-precision copy) read as
+weights (models/gguf_file.py), against transformers' own GGUF loader; and
+`quantization="gguf"` building the model with its linears' codes only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvray.kernels import cpu_native
+from kvray.models.gguf_file import GGUF_NAME, hf_name
+from kvray.models.loader import build_model, iter_weights, load_config, transformers_model
+
+
+def test_gguf_names_map_to_transformers_names():
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.3.attn_q.bias", "qwen2") == "model.layers.3.self_attn.q_proj.bias"
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("blk.0.ffn_norm.weight", "gemma3") == "model.layers.0.pre_feedforward_layernorm.weight"
+    post = "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("blk.0.post_attention_norm.weight", "gemma3") == post
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    assert hf_name("rope_freqs.weight") is None
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: native kernels not built")
+def test_smollm2s_gguf_reads_as_transformers_reads_it(smollm2_path):
+    """Every tensor de-quantized one at a time from the file equals transformers' GGUF
+    loader's (llama q/k rows un-permuted) bit for bit; building with quantization="gguf"
+    reads only the norms and holds every linear, the head and the embedding as codes."""
+    assert (smollm2_path / GGUF_NAME).exists()
+    config = load_config(smollm2_path)
+    want = transformers_model(smollm2_path, torch.float32).state_dict()
+    got = dict(iter_weights(smollm2_path, config))
+    assert set(want) - set(got) <= {"lm_head.weight"}  # tied: the embedding's rows
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+
+    loaded = []
+
+    def spy(path, config, skip):
+        for name, tensor in iter_weights(path, config, skip):
+            loaded.append(name)
+            yield name, tensor
+
+    import kvray.models.loader as loader
+
+    original = loader.iter_weights
+    loader.iter_weights = spy
+    try:
+        model = build_model(config, smollm2_path, torch.float32, torch.device("cpu"), 64, quantization="gguf")
+    finally:
+        loader.iter_weights = original
+    assert loaded and all(name.endswith("norm.weight") for name in loaded), loaded
+    dense = {n for n, p in model.named_parameters() if not p.is_meta}
+    assert all(n.endswith("norm.weight") for n in dense), dense
+    layer = model.layers[0].mlp.gate_up_proj
+    assert layer.weight.is_meta and isinstance(layer.grouped, cpu_native.Panels)
+    gate_up = torch.cat([want[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(cpu_native.dequantized(layer.grouped), gate_up)
+    assert torch.equal(model.norm.weight, want["model.norm.weight"])
