@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gpu_check_grouped import bench_grouped_linear
 from gpu_check_kernels import bench_decode, bench_prefill, bench_quantized_decode, check_correctness
 from gpu_check_plan import GPU_PLAN, SMOKE_PLAN, Plan, Timer, table
 
@@ -211,12 +212,19 @@ def run(plan: Plan, smoke: bool, steps_path: Path | None = None) -> tuple[list[s
         ok &= passed
         return lines
 
+    def grouped() -> list[str]:
+        nonlocal ok
+        lines, passed = bench_grouped_linear(plan, timer)
+        ok &= passed
+        return lines
+
     heads = "{} q heads, {} KV heads, head dim {}".format(*plan.heads)
     dtype = str(plan.bench_dtype)[6:]
     section("Kernel correctness vs float64", correctness)
     section(f"Decode attention ({heads}, block 16, {dtype})", decode)
     section(f"Prefill chunk attention ({heads}, {dtype})", prefill)
     section("Decode attention over 8-bit KV caches", quantized)
+    section("Grouped low-bit weights (GGUF layouts) against cuBLAS bf16", grouped)
     steps: list[dict] = []
     section("Engine decode throughput", lambda: bench_engine(plan, timer, steps))
     if steps and steps_path is not None:

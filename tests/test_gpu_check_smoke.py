@@ -38,6 +38,8 @@ HEADERS = [
     "| tokens | kvray ms | kvray TFLOP/s | SDPA ms | SDPA TFLOP/s | kvray/SDPA | matches SDPA |",
     "## Decode attention over 8-bit KV caches",
     "| kv_cache_dtype | ms | KV MB read | GB/s | time / model dtype's | rel err | cache writes | result |",
+    "## Grouped low-bit weights (GGUF layouts) against cuBLAS bf16",
+    "| format | rows | weight MB | grouped ms | cuBLAS dense ms | speed vs dense | GB/s | rel err | result |",
     "## Engine decode throughput",
     "| model | batch | prompt | dtype | kvray decode tok/s | transformers decode tok/s | ratio |",
     "## Targets",
@@ -61,8 +63,9 @@ def test_cpu_smoke_writes_every_table(tmp_path):
         assert header in report, header
     assert "crashed" not in report and "FAIL" not in report and "| NO |" not in report
     assert "| split x" in report and "| plain |" in report  # both decode paths timed
-    # 4 attention cases + cache writes, in 2 dtypes; the model-dtype and int8 caches
-    assert report.count("| ok |") == 12
+    # 4 attention cases + cache writes, in 2 dtypes; the model-dtype and int8 caches; 5
+    # grouped formats at 2 row counts
+    assert report.count("| ok |") == 22
     assert "| ok | ok |" in report  # the int8 cache's Triton writes agree with kv_quant
     # the engine's steps for kvray.sim's fit: 3 decode steps of the batch of 4 (8-token
     # prompts), then prompt steps of 1, 2 and 4 prompts
