@@ -9,8 +9,8 @@ the same threads, side by side in one run:
   loading less before, less the KV cache's bytes, which loading touches; the file's size
   beside it).
 
-kvray runs each `--quantization` (default: gguf, the file's own codes; None: the
-de-quantized weights in the dtype) in a child process of its own. llama.cpp's tools build
+kvray runs each `--quantization` (default: gguf, the file's own codes; none: the
+de-quantized weights in the dtype, `quantization_ignore=["*"]`) in a child process of its own. llama.cpp's tools build
 from the source vendored in the `llama-cpp-python` sdist (BENCHMARKS.md says how):
 
     .venv/bin/python benchmarks/vs_llama_cpp.py --llama-bin /path/to/llama.cpp/build/bin \
@@ -52,8 +52,9 @@ def kvray_child(alias: str, quantization: str | None, prompt: int, new: int, rep
     load_config(path), load_tokenizer(path)  # what a process holds besides the weights, loaded first
     before = rss_bytes()
     kv = 96 << 20  # a small KV cache (the prompt and the decode fit), its bytes not counted
+    dense = {"quantization_ignore": ["*"]} if quantization is None else {}  # the file's values in dtype
     llm = LLM(model=alias, dtype="auto", quantization=quantization, max_model_len=2048,
-              enable_prefix_caching=False, kv_cache_memory_bytes=kv)  # fmt: skip
+              enable_prefix_caching=False, kv_cache_memory_bytes=kv, **dense)  # fmt: skip
     release_freed_memory()
     after = rss_bytes() - kv
     vocab = llm.engine.hf_config.vocab_size

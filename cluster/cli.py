@@ -17,6 +17,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        quantization_ignore=["*"] if args.dequantize else [],
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -108,7 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
     gen.add_argument(
-        "--quantization", default=None, choices=["int8", "int4", "gguf"], help="weights kept quantized"
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "gguf", "fp8"],
+        help="weights kept quantized (default: the checkpoint's own; a GGUF's codes on a CPU)",
+    )
+    gen.add_argument(
+        "--dequantize", action="store_true", help="a GGUF model's weights de-quantized to --dtype"
     )
     gen.add_argument(
         "--speculative-config",

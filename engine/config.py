@@ -15,14 +15,18 @@ from kvray.kernels.kv_quant import KV_CACHE_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 POLICIES = ("fcfs", "priority", "deadline")
-# weights kept quantized (vLLM's `quantization=`): None, the checkpoint's own precision (cast
-# to `dtype`); "int8": every layer's linears quantized at load, weight-only, one symmetric
-# scale per output channel, multiplied by the native CPU kernels (the LM head too; the
-# embedding's rows stay in `dtype`); "int4": the same, as 4-bit codes with a scale and min
-# per group of 32 (kernels/cpu_groups.py); "gguf": a GGUF model's quantized tensors as the
-# file holds them (models/gguf_groups.py), with activations quantized per group of 16-32
-# values as llama.cpp's kernels do
-QUANTIZATIONS = (None, "int8", "int4", "gguf")
+# weights kept quantized (vLLM's `quantization=`): None (the default), the checkpoint's own:
+# "gguf" where `model` names a GGUF (an alias or a .gguf file) and the native CPU kernels
+# run, else its values cast to `dtype` (`quantization_ignore=["*"]` de-quantizes a GGUF's
+# too); "int8": every
+# layer's linears quantized at load, weight-only, one symmetric scale per output channel,
+# multiplied by the native CPU kernels (the LM head too; the embedding's rows stay in
+# `dtype`); "int4": the same, as 4-bit codes with a scale and min per group of 32
+# (kernels/cpu_groups.py); "gguf": a GGUF model's quantized tensors as the file holds them
+# (models/gguf_groups.py), with activations quantized per group of 16-32 values as
+# llama.cpp's kernels do; "fp8": e4m3 weights with a scale per output channel, activations
+# quantized per row, torch._scaled_mm (for CUDA GPUs; models/fp8_linear.py)
+QUANTIZATIONS = (None, "int8", "int4", "gguf", "fp8")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwise
 
 

@@ -26,12 +26,14 @@ from kvray.engine.sampler import Sampler, SampleRow, sample_rows
 from kvray.engine.scheduler import SchedulerOutput
 from kvray.engine.step_sampling import StepResult, cause, sample_step
 from kvray.errors import InvalidArgumentError
+from kvray.kernels import cpu_native
 from kvray.kernels.backend import AttentionMetadata, LayerKV, get_backend
 from kvray.kernels.cpu_fused import StepLogits
 from kvray.kernels.cpu_memory import huge_page_zeros
 from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
 from kvray.kernels.torch_backend import TorchBackend
 from kvray.models.cpu_linear import pack_model
+from kvray.models.fetch import ALIASES
 from kvray.models.layers import head_dim_of
 from kvray.models.loader import build_model
 from kvray.models.parallel import ShardContext
@@ -66,10 +68,19 @@ def load_model(config: EngineConfig, hf_config, model_path, shard: ShardContext 
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = resolve_max_model_len(config, hf_config)
     path = Path(model_path) if model_path is not None else None
-    ignore = config.quantization_ignore
-    model = build_model(hf_config, path, dtype, device, max_model_len, shard, config.quantization, ignore)
-    pack_model(model, dtype, device, config.quantization, ignore)  # CPU: weights packed once
+    ignore, quantization = config.quantization_ignore, resolve_quantization(config, dtype, device)
+    model = build_model(hf_config, path, dtype, device, max_model_len, shard, quantization, ignore)
+    pack_model(model, dtype, device, quantization, ignore)  # CPU: weights packed once
     return model, device, dtype, max_model_len
+
+
+def resolve_quantization(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+    """`quantization=None`, the checkpoint's own: "gguf" where `model` names a GGUF (an
+    alias, a .gguf file) and the native CPU kernels take the dtype on this device."""
+    if config.quantization is not None:
+        return config.quantization
+    gguf = config.model in ALIASES or config.model.endswith(".gguf")
+    return "gguf" if gguf and cpu_native.takes(dtype, device) else None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:

@@ -33,6 +33,7 @@ from torch import nn
 from kvray.errors import InvalidArgumentError
 from kvray.kernels import cpu_groups, cpu_native
 from kvray.kernels.cpu_memory import huge_page_zeros, release_freed_memory
+from kvray.models.fp8_linear import Fp8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,10 @@ def linear(
     panels: cpu_native.Panels | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b): through the native panels where they take the rows (`PANEL_ROWS`),
-    else through the packed weight when there is one."""
+    else through the packed weight when there is one (fp8 codes, on any device, through
+    torch._scaled_mm)."""
+    if isinstance(panels, Fp8Weight):
+        return panels.matmul(x, bias)
     if int8_dense(x, panels):
         return F.linear(x, cpu_native.dequantized(panels).to(x.dtype), bias)
     if cpu_native.takes_linear(x, panels):
@@ -133,11 +137,14 @@ def quantized_panels(
     weight: torch.Tensor, quantization: str | None, grouped=None
 ) -> cpu_native.Panels | None:
     """The weight [n, k] as panels of codes for `quantization` (engine/config.py
-    QUANTIZATIONS): int8 per channel, int4 in groups of 32, or "gguf": the file's own
+    QUANTIZATIONS): int8 per channel, int4 in groups of 32, fp8 (models/fp8_linear.py:
+    any device), or "gguf": the file's own
     codes (`grouped`, models/gguf_groups.py; None where the file holds the tensor
     unquantized). None: the weight stays in the dtype."""
     if quantization == "int8":
         return cpu_native.to_panels_int8(weight)
+    if quantization == "fp8":
+        return Fp8Weight.of(weight)
     if quantization == "int4":
         n, k = weight.shape
         if k % 32:
@@ -208,7 +215,7 @@ def pack_model(
     from a GGUF file with it (loader.build_model: its linears' codes attached). Modules
     `ignore` names (engine/config.py quantization_ignore; the model's own entry stands for
     its LM head, "lm_head") stay in the dtype."""
-    if quantization is not None and not cpu_native.takes(dtype, device):
+    if quantization not in (None, "fp8") and not cpu_native.takes(dtype, device):
         raise InvalidArgumentError(
             "quantization", quantization, "None here (quantized weights run on the native CPU kernels: a CPU "
             "with a C compiler, KVRAY_NATIVE_KERNELS not 0)"
@@ -219,7 +226,7 @@ def pack_model(
         )
     if ignore:
         check_ignore(model, ignore)
-    if not (can_pack(dtype, device) or cpu_native.takes(dtype, device)):
+    if quantization != "fp8" and not (can_pack(dtype, device) or cpu_native.takes(dtype, device)):
         return 0
     packed = 0
     with torch.no_grad():

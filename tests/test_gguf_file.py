@@ -59,3 +59,18 @@ def test_smollm2s_gguf_reads_as_transformers_reads_it(smollm2_path):
     gate_up = torch.cat([want[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
     assert torch.equal(cpu_native.dequantized(layer.grouped), gate_up)
     assert torch.equal(model.norm.weight, want["model.norm.weight"])
+
+
+def test_a_gguf_model_keeps_its_codes_by_default_on_a_cpu(smollm2_path):
+    """quantization=None is the checkpoint's own: "gguf" where `model` names a GGUF (an
+    alias, a .gguf file) and the native kernels run; a folder's weights as they are."""
+    from kvray.engine.config import EngineConfig
+    from kvray.engine.model_runner import resolve_quantization
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    native = "gguf" if cpu_native.takes(bf16, cpu) else None
+    assert resolve_quantization(EngineConfig(model="smollm2-135m-instruct"), bf16, cpu) == native
+    assert resolve_quantization(EngineConfig(model="/models/x.Q4_K_M.gguf"), bf16, cpu) == native
+    assert resolve_quantization(EngineConfig(model=str(smollm2_path)), bf16, cpu) is None
+    assert resolve_quantization(EngineConfig(model="smollm2-135m-instruct"), bf16, torch.device("cuda")) is None
+    assert resolve_quantization(EngineConfig(model=str(smollm2_path), quantization="int8"), bf16, cpu) == "int8"

@@ -32,8 +32,8 @@ RUN = """
 import json, sys
 from kvray.engine import LLM, SamplingParams
 spec = json.loads(sys.argv[2])
-llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, max_num_batched_tokens=128,
-          kv_cache_memory_bytes=128 << 20, speculative_config=spec)
+llm = LLM(model=sys.argv[1], dtype="float32", quantization_ignore=["*"], max_model_len=1024,
+          max_num_batched_tokens=128, kv_cache_memory_bytes=128 << 20, speculative_config=spec)
 outs = llm.chat([[{"role": "user", "content": a}] for a in json.loads(sys.argv[3])],
                 SamplingParams(temperature=0.0, max_tokens=int(sys.argv[4])))
 stats, kv = llm.engine.spec_stats, llm.kv_cache_stats()

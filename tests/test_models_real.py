@@ -56,7 +56,13 @@ def real_model(request):
 
 def test_alias_greedy_matches_transformers(real_model):
     alias, path, hf, prompts, want = real_model
-    llm = LLM(model=alias, dtype="float32", max_num_batched_tokens=256, max_model_len=2048)
+    llm = LLM(
+        model=alias,
+        dtype="float32",
+        quantization_ignore=["*"],
+        max_num_batched_tokens=256,
+        max_model_len=2048,
+    )
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     )
@@ -84,7 +90,13 @@ def test_bf16_agrees_with_transformers_bf16(real_model):
     alias, path, _, prompts, _ = real_model
     hf = transformers_model(Path(path), torch.bfloat16)
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    llm = LLM(model=alias, dtype="bfloat16", max_num_batched_tokens=256, max_model_len=2048)
+    llm = LLM(
+        model=alias,
+        dtype="bfloat16",
+        quantization_ignore=["*"],
+        max_num_batched_tokens=256,
+        max_model_len=2048,
+    )
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     )
