@@ -152,6 +152,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=64,
         max_model_len=2048,
+        quantization_ignore=["*"],  # the weights in `dtype`, as the fitted ModelSpec counts their bytes
     )
     engine = llm.engine
     dtype = engine.dtype
@@ -159,7 +160,7 @@ def main() -> None:
     measure(llm, shapes(quick=True)[:1])  # warm-up: first-call costs stay out of the fit
     samples = measure(llm, shapes(args.quick))
     peak, where = best_matmul_rate(engine.hf_config, dtype)
-    bandwidth = read_bandwidth(0.5)
+    bandwidth = read_bandwidth(torch.ones((1 << 28) // 4))  # 256 MiB, far larger than the caches
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({where}); read bandwidth {bandwidth / 1e9:.1f} GB/s")
     llm.close()
 
