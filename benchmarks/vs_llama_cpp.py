@@ -10,8 +10,9 @@ the same threads, side by side in one run:
   beside it).
 
 kvray runs each `--quantization` (default: gguf, the file's own codes; none: the
-de-quantized weights in the dtype, `quantization_ignore=["*"]`) in a child process of its own. llama.cpp's tools build
-from the source vendored in the `llama-cpp-python` sdist (BENCHMARKS.md says how):
+de-quantized weights in the dtype, quantization_ignore=["*"]) in a child process of its
+own. llama.cpp's tools build from the source vendored in the `llama-cpp-python` sdist
+(BENCHMARKS.md says how):
 
     .venv/bin/python benchmarks/vs_llama_cpp.py --llama-bin /path/to/llama.cpp/build/bin \
         [--models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct] [--quantization gguf,none]

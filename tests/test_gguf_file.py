@@ -72,5 +72,6 @@ def test_a_gguf_model_keeps_its_codes_by_default_on_a_cpu(smollm2_path):
     assert resolve_quantization(EngineConfig(model="smollm2-135m-instruct"), bf16, cpu) == native
     assert resolve_quantization(EngineConfig(model="/models/x.Q4_K_M.gguf"), bf16, cpu) == native
     assert resolve_quantization(EngineConfig(model=str(smollm2_path)), bf16, cpu) is None
-    assert resolve_quantization(EngineConfig(model="smollm2-135m-instruct"), bf16, torch.device("cuda")) is None
-    assert resolve_quantization(EngineConfig(model=str(smollm2_path), quantization="int8"), bf16, cpu) == "int8"
+    resolve = resolve_quantization
+    assert resolve(EngineConfig(model="smollm2-135m-instruct"), bf16, torch.device("cuda")) is None
+    assert resolve(EngineConfig(model=str(smollm2_path), quantization="int8"), bf16, cpu) == "int8"
