@@ -34,8 +34,8 @@ from kvray.engine.sampling_params import RequestOutputKind
 from kvray.errors import EngineDeadError, KvrayError, RequestFailedError
 from kvray.router.inbox import Gone, Inbox, join
 from kvray.router.metrics import RequestStats, RequestTimer
-from kvray.router.policy import prefix_key
 from kvray.router.router import DEAD, NoWorkerError
+from kvray.routing import prefix_key
 from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)

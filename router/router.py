@@ -26,7 +26,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from kvray.actors.messages import WorkerStats
 from kvray.configs import DeploymentConfig
 from kvray.errors import KvrayError
-from kvray.router.policy import WorkerLoad, choose_decode, choose_prefill
+from kvray.routing import WorkerLoad, choose_decode, choose_prefill
 from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ Events happen in time order (ties in the order they were made):
 
 The router sees what kvray's Router sees: load reports taken every `report_interval_s`
 (its health period) plus what it has routed since, and it chooses with the same functions
-(`kvray.router.policy`: prefix affinity by rendezvous hashing, least KV usage for decode).
+(`kvray.routing`: prefix affinity by rendezvous hashing, least KV usage for decode).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvray.engine.request import Request
-from kvray.router.policy import WorkerLoad, choose_decode, choose_prefill, prefix_key
+from kvray.routing import WorkerLoad, choose_decode, choose_prefill, prefix_key
 from kvray.sim.cost_model import StepTimeModel
 from kvray.sim.results import RequestRecord, SimResult, SLOBudget
 from kvray.sim.worker import STAND_IN_TOKEN, Role, SimEngineConfig, SimWorker

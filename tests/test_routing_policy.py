@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from kvray.router.policy import WorkerLoad, affine_worker, choose_decode, choose_prefill, prefix_key
 from kvray.router.router import NoWorkerError, Router
+from kvray.routing import WorkerLoad, affine_worker, choose_decode, choose_prefill, prefix_key
 
 KEYS = [prefix_key(list(range(i, i + 64)), 16, 4) for i in range(400)]
 

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from kvray.router.policy import affine_worker, prefix_key
+from kvray.routing import affine_worker, prefix_key
 from kvray.sim import (
     ClusterSpec,
     Hardware,

@@ -7,6 +7,9 @@ members makes the same choice, and a pool that grows or shrinks by one worker mo
 the prefixes of that worker — unless the affine worker's load exceeds the least-loaded
 one's by more than the imbalance threshold; then least loaded.
 Decode: least KV usage, then fewest requests.
+
+A module of its own below the router and the simulator (kvray.sim runs the same choices):
+neither imports the other through it.
 """
 
 from __future__ import annotations
