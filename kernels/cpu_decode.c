@@ -539,7 +539,7 @@ DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t 
     /* too few spans to give every thread two: one item per span and KV head */
     const int32_t per_item = num_spans_all < 2 * (int64_t)num_threads ? 1 : num_kv_heads;
     const int64_t num_items = num_spans_all * (num_kv_heads / per_item);
-    DecodePlan plan = {(Item *)malloc(sizeof(Item) * num_items), (int32_t *)malloc(sizeof(int32_t) * (num_seqs + 1)),
+    DecodePlan plan = {(Item *)kvray_malloc(sizeof(Item) * num_items), (int32_t *)kvray_malloc(sizeof(int32_t) * (num_seqs + 1)),
                        NULL, num_items, (int64_t)num_q_heads * (head_dim + 2), num_parts, span, window};
     int64_t k = 0, part = 0;
     /* the longest contexts come last from the caller (sorted ascending): schedule them first */
@@ -556,7 +556,7 @@ DecodePlan kvray_decode_plan(const int32_t *seq_lens, int32_t num_seqs, int32_t 
         if (pieces > 1) part += pieces;
     }
     /* spans' partial results: [part][q_head] max and sum, [part][q_head][head_dim] sums */
-    if (num_parts) plan.parts = (float *)malloc(sizeof(float) * num_parts * plan.per_part);
+    if (num_parts) plan.parts = (float *)kvray_malloc(sizeof(float) * num_parts * plan.per_part);
     return plan;
 }
 
@@ -569,9 +569,9 @@ void kvray_decode_plan_free(DecodePlan *plan) {
 DecodeScratch kvray_decode_scratch(int32_t num_q_heads, int32_t head_dim, int32_t block_size) {
     const int64_t per_part = (int64_t)num_q_heads * (head_dim + 2);
     const int64_t longest = block_size > SPAN_TOKENS ? block_size : SPAN_TOKENS; /* a span's most positions */
-    return (DecodeScratch){(float *)malloc(sizeof(float) * num_q_heads * longest),
-                           (float *)malloc(sizeof(float) * per_part),
-                           (float *)malloc(sizeof(float) * num_q_heads * head_dim)};
+    return (DecodeScratch){(float *)kvray_malloc(sizeof(float) * num_q_heads * longest),
+                           (float *)kvray_malloc(sizeof(float) * per_part),
+                           (float *)kvray_malloc(sizeof(float) * num_q_heads * head_dim)};
 }
 
 void kvray_decode_scratch_free(DecodeScratch *scratch) {

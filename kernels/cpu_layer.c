@@ -345,8 +345,8 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     const int64_t q_width = sh->num_q_heads * d, kv_width = sh->num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
     const int64_t qk_width = q_width + kv_width;
     /* the attention's work items depend on the window only: a plan per distinct window */
-    DecodePlan *plans = malloc(sizeof(DecodePlan) * num_layers);
-    int32_t *plan_of = malloc(sizeof(int32_t) * num_layers), num_plans = 0;
+    DecodePlan *plans = kvray_malloc(sizeof(DecodePlan) * num_layers);
+    int32_t *plan_of = kvray_malloc(sizeof(int32_t) * num_layers), num_plans = 0;
     for (int32_t i = 0; i < num_layers; i++) {
         plan_of[i] = -1;
         for (int32_t j = 0; j < num_plans; j++)
@@ -387,20 +387,20 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     share_init(&shares[num_shares - 2], rows, 0, num_threads);
     share_init(&shares[num_shares - 1], items_head, 0, num_threads);
     for (int64_t j = 0; j < num_shares; j++) flags_total += shares[j].n;
-    uint8_t *flags = calloc(flags_total, 1);
+    uint8_t *flags = kvray_calloc(flags_total, 1);
     for (int64_t j = 0, offset = 0; j < num_shares; offset += shares[j].n, j++) shares[j].flags = flags + offset;
-    char *arena = malloc(per_layer * num_layers);
+    char *arena = kvray_malloc(per_layer * num_layers);
     /* grouped codes: the rows the row phases quantize for the linears after them (RowsOut) */
     const int64_t q_hidden = rows_out_bytes(sh->weight_codes, rows, hidden);
     const int64_t q_inter = rows_out_bytes(sh->weight_codes, rows, inter);
     const int64_t q_head = head ? rows_out_bytes(head->weight_codes, rows, hidden) : 0;
-    char *quantized = malloc((2 * q_hidden + q_inter) * num_layers + q_head + 1), *q_at = quantized;
+    char *quantized = kvray_malloc((2 * q_hidden + q_inter) * num_layers + q_head + 1), *q_at = quantized;
     /* the head's input rows, and its output before widening (bf16; fp32 writes the logits) */
-    void *head_in = head ? malloc(rows * hidden * size) : 0;
-    void *head_out = head && bf16_io ? malloc(rows * head->n * size) : head ? (void *)head->logits : 0;
-    int64_t *head_best = head && head->argmax ? malloc(sizeof(int64_t) * items_head * rows) : 0;
-    float *parts = malloc(sizeof(float) * (parts_total > 0 ? parts_total : 1));
-    LayerBuffers *bufs = malloc(sizeof(LayerBuffers) * num_layers);
+    void *head_in = head ? kvray_malloc(rows * hidden * size) : 0;
+    void *head_out = head && bf16_io ? kvray_malloc(rows * head->n * size) : head ? (void *)head->logits : 0;
+    int64_t *head_best = head && head->argmax ? kvray_malloc(sizeof(int64_t) * items_head * rows) : 0;
+    float *parts = kvray_malloc(sizeof(float) * (parts_total > 0 ? parts_total : 1));
+    LayerBuffers *bufs = kvray_malloc(sizeof(LayerBuffers) * num_layers);
     char *at = arena;
     float *part_at = parts;
     for (int32_t i = 0; i < num_layers; i++) {
@@ -509,7 +509,7 @@ static int decode_step(const DecodeLayer *layers, int32_t num_layers, const Deco
     const int64_t half = sh->head_dim / 2, row_bytes = sh->hidden * (bf16_io ? 2 : 4);
     for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -1;
-    float *cos = malloc(sizeof(float) * 2 * rows * half), *sin = cos + rows * half;
+    float *cos = kvray_malloc(sizeof(float) * 2 * rows * half), *sin = cos + rows * half;
     for (int64_t r = 0; r < rows; r++) {
         if (sh->embed_codes)
             kvray_linear_q_rows(embed, vocab, sh->hidden, tokens + r, 1, (char *)x + r * row_bytes, bf16_io);

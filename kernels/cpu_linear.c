@@ -439,7 +439,7 @@ static void linear(int kind, const void *x, int64_t x_stride, const void *w_pane
                    int64_t out_stride, int64_t m, int64_t n, int64_t k, int32_t num_threads) {
     const int64_t items = kvray_linear_items(n, m, kind, num_threads);
     /* grouped codes: x quantized once here, for all the items */
-    void *quantized = kind >= KIND_Q ? malloc(kvray_rows_q_bytes(m, k, kvray_linear_q_group(w_panels))) : 0;
+    void *quantized = kind >= KIND_Q ? kvray_malloc(kvray_rows_q_bytes(m, k, kvray_linear_q_group(w_panels))) : 0;
     if (kind >= KIND_Q) {
         if (!quantized) abort();
         kvray_linear_q_quantize(kind & 1, x, x_stride, w_panels, m, k, quantized);

@@ -427,9 +427,8 @@ void kvray_linear_q_item(int bf16_io, const void *x, int64_t x_stride, const voi
     const int64_t need = kvray_rows_q_bytes(m, k, kvray_linear_q_group(w));
     if (need > capacity) {
         free(buffer);
-        buffer = malloc(need);
-        capacity = buffer ? need : 0;
-        if (!buffer) abort();
+        buffer = kvray_malloc(need);
+        capacity = need;
     }
     kvray_linear_q_quantize(bf16_io, x, x_stride, w, m, k, buffer);
     kvray_linear_q_panels(bf16_io, buffer, w, bias, out, out_stride, m, n, k, p0, p1);

@@ -164,8 +164,8 @@ static inline __attribute__((always_inline)) void prefill_attention(const void *
 #else
     const int paired = 0;
 #endif
-    void *kp = malloc((paired ? sizeof(bf16) : sizeof(float)) * num_kv_heads * ld * d);
-    float *vp = malloc(sizeof(float) * num_kv_heads * kv_len * d);
+    void *kp = kvray_malloc((paired ? sizeof(bf16) : sizeof(float)) * num_kv_heads * ld * d);
+    float *vp = kvray_malloc(sizeof(float) * num_kv_heads * kv_len * d);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -182,9 +182,9 @@ static inline __attribute__((always_inline)) void prefill_attention(const void *
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_kv_heads * kv_len; i++)
             pack_values(v, kv_stride, i % kv_len, (int32_t)(i / kv_len), d, vp + i * d, is_bf16);
-        float *qt = malloc(sizeof(float) * ROWS * d);
-        float *s = malloc(sizeof(float) * ROWS * ld);
-        float *o = malloc(sizeof(float) * ROWS * d);
+        float *qt = kvray_malloc(sizeof(float) * ROWS * d);
+        float *s = kvray_malloc(sizeof(float) * ROWS * ld);
+        float *o = kvray_malloc(sizeof(float) * ROWS * d);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             const int64_t tile = tiles - 1 - item / num_q_heads; /* longest contexts first */

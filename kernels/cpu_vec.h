@@ -5,7 +5,29 @@
 #define KVRAY_CPU_VEC_H
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* Every allocation of the native kernels: out of memory is a message naming the bytes and
+ * an abort (the worker process ends and is replaced), never a NULL written through. */
+static inline void *kvray_malloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "kvray native kernels: out of memory allocating %zu bytes\n", bytes);
+        abort();
+    }
+    return p;
+}
+
+static inline void *kvray_calloc(size_t count, size_t size) {
+    void *p = calloc(count ? count : 1, size ? size : 1);
+    if (!p) {
+        fprintf(stderr, "kvray native kernels: out of memory allocating %zu x %zu bytes\n", count, size);
+        abort();
+    }
+    return p;
+}
 
 typedef float v8 __attribute__((vector_size(32)));
 
