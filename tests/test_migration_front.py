@@ -306,8 +306,8 @@ def test_a_pd_request_waiting_for_a_decode_worker_counts_the_prompt_tokens_compu
 
 def test_http_errors_of_deadlines_and_missing_workers():
     from kvray.errors import RequestFailedError
-    from kvray.router.app import _api_error_of
     from kvray.router.frontend import RequestTimeoutError
+    from kvray.router.ingress_parts import api_error_of as _api_error_of
     from kvray.router.router import NoWorkerError
 
     late = _api_error_of(RequestTimeoutError("request r passed its deadline"), "cmpl-1")

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from kvray.cluster.netns import NamespaceCluster, check_can_run, kvray_command  # noqa: E402
 from kvray.engine import LLM, SamplingParams  # noqa: E402
-from kvray.router.app import PRESETS  # noqa: E402
+from kvray.router.ingress_parts import PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 if why := check_can_run():
