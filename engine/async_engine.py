@@ -25,6 +25,7 @@ import torch
 
 from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
+from kvray.engine.engine_commands import Abort, AddPrefilled, AddRequest, Call, Command
 from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
 from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
@@ -133,19 +134,20 @@ class AsyncLLM:
         matchers = await self._matchers(sampling_params, sampling_params.n)
         stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
-        add = (
-            request_id,
-            stream or sink,
-            prompt,
-            sampling_params,
-            priority,
-            deadline,
-            kv_lease,
-            generated_token_ids,
-            matchers,
-            accepted,
+        self._send(
+            AddRequest(
+                request_id,
+                stream or sink,
+                prompt,
+                sampling_params,
+                priority,
+                deadline,
+                kv_lease,
+                generated_token_ids,
+                matchers,
+                accepted,
+            )
         )
-        self._send(("add", *add))
         await asyncio.wrap_future(accepted)
         return stream
 
@@ -186,8 +188,20 @@ class AsyncLLM:
         stream = OutputStream(request_id, asyncio.get_running_loop()) if sink is None else None
         accepted: Future = Future()
         room: Future = Future()
-        add = (request_id, stream or sink, prompt, sampling_params, first_token, first_logprobs, matchers)
-        self._send(("add_prefilled", *add, pull_deadline, accepted, room))
+        self._send(
+            AddPrefilled(
+                request_id,
+                stream or sink,
+                prompt,
+                sampling_params,
+                first_token,
+                first_logprobs,
+                matchers,
+                pull_deadline,
+                accepted,
+                room,
+            )
+        )
         await asyncio.wrap_future(accepted)
         return stream, asyncio.wrap_future(room)
 
@@ -209,14 +223,14 @@ class AsyncLLM:
     async def call(self, fn, *args):
         """Run `fn(*args)` on the loop thread, between steps, and return its result."""
         done: Future = Future()
-        self._send(("call", fn, args, done))
+        self._send(Call(fn, args, done))
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the stream ends with a finished `abort` output. (An
         engine that can no longer serve runs nothing: there is nothing to stop.)"""
         if self.error is None:
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
 
     # ---- what a worker may see of the engine (nothing else reaches inside) ------------
 
@@ -274,7 +288,7 @@ class AsyncLLM:
         if self.error is None:  # (else its request has already moved on)
             await self.call(self.engine.finish_kv_pull, request_id, ok)
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         with self._dying:  # (so no command slips into the queue after `_die` emptied it)
             if self.error is not None:
                 raise self.error
@@ -328,9 +342,8 @@ class AsyncLLM:
             self._on_failure(error)
         self._fail_streams(error)
         for command in stranded:  # their callers get the error
-            for item in command:
-                if isinstance(item, Future):
-                    _settle(item, error=error)
+            for future in command.futures():
+                _settle(future, error=error)
 
     def _fail_streams(self, error: EngineDeadError) -> None:
         """Fail every request's sink, each once (any thread: the loop thread may still be
@@ -406,59 +419,57 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "call":
-                _, fn, args, done = command
-                try:
-                    result = fn(*args)
-                except Exception as e:
-                    _settle(done, error=e)
-                else:
-                    _settle(done, result)  # a caller that went away still had its call run
-            elif command[0] == "add_prefilled":
-                self._add_prefilled(*command[1:])
-            elif command[0] == "add":
-                _, rid, sink, prompt, params, priority, deadline, kv_lease, generated, matchers, accepted = (
-                    command
-                )
-                try:
-                    self.engine.add_request(
-                        rid,
-                        prompt,
-                        params,
-                        priority=priority,
-                        deadline=deadline,
-                        kv_lease=kv_lease,
-                        generated_token_ids=generated,
-                        matchers=matchers,
-                    )
-                except Exception as e:
-                    _settle(accepted, error=e)
-                    continue
-                self._streams[rid] = sink
-                if not _settle(accepted, None):  # the caller was cancelled meanwhile
-                    self._publish(self.engine.abort_request([rid]))
-            else:
-                self._publish(self.engine.abort_request([command[1]]))
+            match command:
+                case Call(fn, args, done):
+                    try:
+                        result = fn(*args)
+                    except Exception as e:
+                        _settle(done, error=e)
+                    else:
+                        _settle(done, result)  # a caller that went away still had its call run
+                case AddPrefilled():
+                    self._add_prefilled(command)
+                case AddRequest():
+                    self._add(command)
+                case Abort(request_id):
+                    self._publish(self.engine.abort_request([request_id]))
 
-    def _add_prefilled(
-        self, rid, sink, prompt, params, first_token, first_logprobs, matchers, pull_deadline, accepted, room
-    ) -> None:
-        engine = self.engine
+    def _add(self, add: AddRequest) -> None:
+        try:
+            self.engine.add_request(
+                add.request_id,
+                add.prompt,
+                add.params,
+                priority=add.priority,
+                deadline=add.deadline,
+                kv_lease=add.kv_lease,
+                generated_token_ids=add.generated_token_ids,
+                matchers=add.matchers,
+            )
+        except Exception as e:
+            _settle(add.accepted, error=e)
+            return
+        self._streams[add.request_id] = add.sink
+        if not _settle(add.accepted, None):  # the caller was cancelled meanwhile
+            self._publish(self.engine.abort_request([add.request_id]))
+
+    def _add_prefilled(self, add: AddPrefilled) -> None:
+        engine, rid, room = self.engine, add.request_id, add.room
         try:
             blocks = engine.add_prefilled_request(
                 rid,
-                prompt,
-                params,
-                first_token,
-                first_logprobs,
-                pull_deadline=pull_deadline,
-                matchers=matchers,
+                add.prompt,
+                add.params,
+                add.first_token,
+                add.first_logprobs,
+                pull_deadline=add.pull_deadline,
+                matchers=add.matchers,
             )
         except Exception as e:
-            _settle(accepted, error=e)
+            _settle(add.accepted, error=e)
             return
-        self._streams[rid] = sink
-        if not _settle(accepted, None):  # the caller left: nobody will pull or read
+        self._streams[rid] = add.sink
+        if not _settle(add.accepted, None):  # the caller left: nobody will pull or read
             self._publish(engine.abort_request([rid]))
             if blocks is not None:
                 engine.finish_kv_pull(rid, ok=False)
