@@ -33,7 +33,7 @@ from serve_harness import cpu_banner  # noqa: E402
 
 from kvray.cluster.netns import NamespaceCluster, kvray_command  # noqa: E402
 from kvray.engine import LLM, SamplingParams  # noqa: E402
-from kvray.router.app import PRESETS  # noqa: E402
+from kvray.router.ingress_parts import PRESETS  # noqa: E402
 
 HEAD, PREFILL, DECODE = 0, 1, 2
 PROMPTS = [f"Write a short story about a {w} who learns to sail." for w in

@@ -34,6 +34,7 @@ from kvray.kernels.kv_quant import resolve_kv_cache_dtype, split_cache
 from kvray.kernels.torch_backend import TorchBackend
 from kvray.models.cpu_linear import pack_model
 from kvray.models.fetch import ALIASES
+from kvray.models.gguf_file import GGUF_NAME
 from kvray.models.layers import head_dim_of
 from kvray.models.loader import build_model
 from kvray.models.parallel import ShardContext
@@ -68,19 +69,23 @@ def load_model(config: EngineConfig, hf_config, model_path, shard: ShardContext 
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = resolve_max_model_len(config, hf_config)
     path = Path(model_path) if model_path is not None else None
-    ignore, quantization = config.quantization_ignore, resolve_quantization(config, dtype, device)
+    ignore, quantization = config.quantization_ignore, resolve_quantization(config, path, dtype, device)
     model = build_model(hf_config, path, dtype, device, max_model_len, shard, quantization, ignore)
     pack_model(model, dtype, device, quantization, ignore)  # CPU: weights packed once
     return model, device, dtype, max_model_len
 
 
-def resolve_quantization(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+def resolve_quantization(
+    config: EngineConfig, path: Path | None, dtype: torch.dtype, device: torch.device
+) -> str | None:
     """`quantization=None`, the checkpoint's own: "gguf" where `model` names a GGUF (an
-    alias, a .gguf file) and the native CPU kernels take the dtype on this device."""
+    alias, a .gguf file) whose folder `path` holds the file, and the native CPU kernels
+    take the dtype on this device; else None (random weights, an old folder without it)."""
     if config.quantization is not None:
         return config.quantization
     gguf = config.model in ALIASES or config.model.endswith(".gguf")
-    return "gguf" if gguf and cpu_native.takes(dtype, device) else None
+    held = path is not None and (path / GGUF_NAME).exists()
+    return "gguf" if gguf and held and cpu_native.takes(dtype, device) else None
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:

@@ -60,8 +60,8 @@ def to_panels(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, lay
             f"grouped codes take bits in {BITS}, group in {GROUPS} dividing k; got {bits}, {group}, k={k}"
         )
     assert scales.shape == mins.shape == (n, k // group)
-    if layout.half and not (exact_in_half(scales) and exact_in_half(mins)):
-        raise ValueError("half scales need scales and mins that fp16 holds exactly")
+    if layout.half and not (exact_in_half(scales) and (layout.offset or exact_in_half(mins))):
+        raise ValueError("half scales need scales (and stored mins) that fp16 holds exactly")
     if layout.offset and not torch.equal(mins.float(), scales.float() * -layout.offset):
         raise ValueError(f"offset {layout.offset} needs mins = -{layout.offset} * scales")
     panels, groups = -(-n // WIDTH), k // group

@@ -91,8 +91,8 @@ def stacked(parts: list[Grouped]) -> Grouped:
     """Parts stacked along n (q|k|v, gate|up) in one layout: the widest codes, the smallest
     group, fp16 scales and implied mins only where every part has them."""
     bits, group = max(p.bits for p in parts), min(p.group for p in parts)
-    half = all(p.half for p in parts) and all(cpu_groups.exact_in_half(p.mins) for p in parts)
     offset = parts[0].offset if all(p.offset == parts[0].offset for p in parts) else 0
+    half = all(p.half for p in parts) and (offset > 0 or all(cpu_groups.exact_in_half(p.mins) for p in parts))
     parts = [p.as_layout(bits, group, half, offset) for p in parts]
     return Grouped(
         torch.cat([p.codes for p in parts]),
@@ -273,7 +273,13 @@ def attach(model, path: Path, ignore: tuple[str, ...] = ()) -> set[str]:
             continue
         if module.grouped is not None:
             hold(module, names)
-    if hasattr(model, "norm") and not ignored(model, "lm_head", ignore):  # the last stage's LM head
+    # the last stage's LM head (a tied one's codes are the embedding's rows too: either name keeps both)
+    kept = (
+        ignored(model, "lm_head", ignore)
+        or model.tie_word_embeddings
+        and ignored(model, "embed_tokens", ignore)
+    )
+    if hasattr(model, "norm") and not kept:
         head = model.embed_tokens if model.tie_word_embeddings else model.lm_head
         hf = "model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
         g = weights.get(hf)

@@ -304,6 +304,20 @@ class LlamaForCausalLM(nn.Module):
             name = f"layers.{int(index) + self.layer_range.start}.{rest}"
         return name if name == "lm_head.weight" else f"model.{name}"
 
+    def needs(self, hf_name: str) -> bool:
+        """Whether load_weights reads the tensor `hf_name` here: False only for another
+        pipeline stage's (its layers, or an embedding, norm or head this stage lacks), which
+        a loader need not even de-quantize."""
+        name = hf_name.removeprefix("model.")
+        if name.startswith("layers."):
+            i = int(name.split(".", 2)[1])
+            return i in self.layer_range or i >= self.config.num_hidden_layers
+        if name in OTHER_STAGE_TENSORS:
+            return hasattr(self, name.split(".")[0]) and not (
+                name == "lm_head.weight" and self.tie_word_embeddings
+            )
+        return True
+
     def _is_foreign(self, name: str) -> bool:
         """A tensor `_local_name` skipped that no stage holds: a layer past the last."""
         if not name.startswith("layers."):

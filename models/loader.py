@@ -122,7 +122,7 @@ def build_model(
         held = attach(model, path / GGUF_NAME, ignore)
     if path is not None:
         try:
-            model.load_weights(iter_weights(path, config, held.__contains__))
+            model.load_weights(iter_weights(path, config, lambda name: name in held or not model.needs(name)))
         except InvalidArgumentError as e:
             raise InvalidArgumentError("model", str(path), e.allowed) from None
     else:

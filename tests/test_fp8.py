@@ -19,6 +19,17 @@ def test_fp8_linear_matches_a_float64_product_of_its_codes():
     bias = torch.randn(96, generator=g)
     fp8 = Fp8Weight.of(w)
     assert fp8.data.dtype == torch.float8_e4m3fn and fp8.scales.shape == (1, 96)
+    odd = Fp8Weight.of(w[:90, :150])  # padded to 16s for cuBLASLt: the same products
+    assert odd.data.shape == (96, 160) and odd.dequantized().shape == (90, 150)
+    x_odd = x[:, :150]
+    xs_odd = x_odd.abs().amax(1, keepdim=True) / FP8_MAX
+    want_odd = (
+        (x_odd / xs_odd).to(torch.float8_e4m3fn).double() * xs_odd.double() @ odd.dequantized().double().T
+    )
+    got_odd = odd.matmul(x_odd, None).double()
+    assert (
+        got_odd.shape == (7, 90) and ((got_odd - want_odd).abs().max() / want_odd.abs().max()).item() < 1e-5
+    )
     # each channel's largest value is the largest code; every value within e4m3's step
     assert torch.allclose(fp8.dequantized().abs().amax(1), w.abs().amax(1), rtol=1e-6)
     assert ((fp8.dequantized() - w).abs() <= w.abs().amax(1, keepdim=True) / FP8_MAX * 32 + 1e-7).all()

@@ -4,6 +4,8 @@ weights (models/gguf_file.py), against transformers' own GGUF loader; and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,11 +69,41 @@ def test_a_gguf_model_keeps_its_codes_by_default_on_a_cpu(smollm2_path):
     from kvray.engine.config import EngineConfig
     from kvray.engine.model_runner import resolve_quantization
 
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    cpu, bf16, at = torch.device("cpu"), torch.bfloat16, smollm2_path
     native = "gguf" if cpu_native.takes(bf16, cpu) else None
-    assert resolve_quantization(EngineConfig(model="smollm2-135m-instruct"), bf16, cpu) == native
-    assert resolve_quantization(EngineConfig(model="/models/x.Q4_K_M.gguf"), bf16, cpu) == native
-    assert resolve_quantization(EngineConfig(model=str(smollm2_path)), bf16, cpu) is None
     resolve = resolve_quantization
-    assert resolve(EngineConfig(model="smollm2-135m-instruct"), bf16, torch.device("cuda")) is None
-    assert resolve(EngineConfig(model=str(smollm2_path), quantization="int8"), bf16, cpu) == "int8"
+    assert resolve(EngineConfig(model="smollm2-135m-instruct"), at, bf16, cpu) == native
+    assert resolve(EngineConfig(model="/models/x.Q4_K_M.gguf"), at, bf16, cpu) == native
+    assert resolve(EngineConfig(model=str(smollm2_path)), at, bf16, cpu) is None
+    assert resolve(EngineConfig(model="smollm2-135m-instruct"), at, bf16, torch.device("cuda")) is None
+    assert resolve(EngineConfig(model=str(smollm2_path), quantization="int8"), at, bf16, cpu) == "int8"
+    # random weights (no folder), or a folder converted before the GGUF was kept: as they are
+    assert resolve(EngineConfig(model="smollm2-135m-instruct"), None, bf16, cpu) is None
+    assert resolve(EngineConfig(model="smollm2-135m-instruct"), Path("/nonexistent"), bf16, cpu) is None
+
+
+def test_a_pipeline_stage_reads_only_its_own_tensors_from_the_gguf(smollm2_path, monkeypatch):
+    """The second of two stages de-quantizes no tensor of the first's layers (nor the
+    embedding a tied head on the last stage holds as codes): its loads equal the full model's."""
+    import kvray.models.loader as loader
+    from kvray.models.parallel import ShardContext, ShardSpec
+
+    read: list[str] = []
+    original = loader.iter_gguf
+
+    def spy(path, config, skip):
+        for name, tensor in original(path, config, skip):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "iter_gguf", spy)
+    config = load_config(smollm2_path)
+    if any(smollm2_path.glob("*.safetensors")):
+        pytest.skip("a folder converted before the GGUF-only layout: its weights come from safetensors")
+    stage = ShardContext(ShardSpec(tp_size=1, pp_size=2, rank=1))
+    model = build_model(config, smollm2_path, torch.float32, torch.device("cpu"), 64, stage, "gguf")
+    first = model.layer_range.start
+    assert first > 0 and read
+    assert all(int(n.split(".")[2]) >= first for n in read if n.startswith("model.layers.")), read
+    assert "model.embed_tokens.weight" not in read  # the tied head: held as codes
+    assert all(n.endswith("norm.weight") for n in read)

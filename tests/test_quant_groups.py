@@ -248,6 +248,10 @@ def test_quantization_ignore_keeps_the_named_modules_in_the_dtype(smollm2_path, 
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     assert len(out[0].outputs[0].token_ids) == 8
     assert_no_leaks(llm)
+    # a tied head is the embedding's rows: naming either keeps both in the dtype
+    tied = LLM(**args, quantization="gguf", quantization_ignore=["embed_tokens"]).engine.runner.model
+    assert tied.embed_tokens.weight is not None and tied.panels_head.data.dtype == torch.float32
+    assert tied.layers[0].mlp.down_proj.panels.data.dtype == torch.uint8
     with pytest.raises(InvalidArgumentError, match="quantization_ignore.*layers.99"):
         LLM(**args, quantization="int8", quantization_ignore=["layers.99.*"])
     int8 = LLM(**args, quantization="int8", quantization_ignore=["lm_head"]).engine.runner.model
