@@ -177,7 +177,8 @@ FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 def grouped(tensor) -> Grouped:
-    """A GGUFReader tensor (a quantized weight [n, k]) as Grouped; its data stays mapped."""
+    """A GGUF tensor (gguf_file.TensorEntry, or a GGUFReader's: a quantized weight [n, k])
+    as Grouped; its data stays mapped."""
     from gguf import GGML_QUANT_SIZES
 
     kind = tensor.tensor_type.name
@@ -217,13 +218,11 @@ class GgufWeights:
     """The quantized linears of a GGUF file by Hugging Face name, read on demand."""
 
     def __init__(self, path: Path, config):
-        from gguf import GGUFReader
-
         self.path = path
-        self.reader = GGUFReader(str(path))
-        self.arch = gguf_file.architecture(self.reader)
+        index = gguf_file.GgufIndex(path)
+        self.arch = index.arch
         self.tensors = {
-            hf: t for t in self.reader.tensors if (hf := gguf_file.hf_name(t.name, self.arch)) is not None
+            hf: t for t in index.tensors if (hf := gguf_file.hf_name(t.name, self.arch)) is not None
         }
         self.config = config
 

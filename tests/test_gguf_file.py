@@ -107,3 +107,17 @@ def test_a_pipeline_stage_reads_only_its_own_tensors_from_the_gguf(smollm2_path,
     assert all(int(n.split(".")[2]) >= first for n in read if n.startswith("model.layers.")), read
     assert "model.embed_tokens.weight" not in read  # the tied head: held as codes
     assert all(n.endswith("norm.weight") for n in read)
+
+
+def test_the_gguf_index_finds_what_ggufs_reader_finds(smollm2_path):
+    """GgufIndex steps over the metadata: the same tensors, shapes, types and bytes."""
+    from gguf import GGUFReader
+
+    from kvray.models.gguf_file import GgufIndex
+
+    index, reader = GgufIndex(smollm2_path / GGUF_NAME), GGUFReader(str(smollm2_path / GGUF_NAME))
+    assert index.arch == "llama" and len(index.tensors) == len(reader.tensors)
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert (ours.name, ours.tensor_type) == (theirs.name, theirs.tensor_type)
+        assert ours.shape == tuple(int(v) for v in theirs.shape)
+        assert (ours.data.reshape(-1) == theirs.data.reshape(-1).view("uint8")).all(), ours.name
