@@ -25,7 +25,8 @@ import torch
 
 from kvray.actors.pair_group import PairGroups, host_store, join_pair_groups
 from kvray.configs import KVTransferConfig
-from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, layer_chunks, pack_blocks, unpack_blocks
+from kvray.engine.kv_handoff import PinTable
+from kvray.engine.kv_transfer import KVLayout, KVTicket, layer_chunks, pack_blocks, unpack_blocks
 from kvray.errors import KvrayError
 from kvray.timeouts import wait_for
 

@@ -27,7 +27,7 @@ class DecodeWorker(EngineWorker):
         connector_type = connector_class(self.kv_config.connector)
         connector = connector_type(self.worker_id, self.kv_config, self.host, backend)
         self.puller = KVPuller(connector, self.kv_config, self.llm.kv_layout, self.shards)
-        self.pulling: dict[str, bool] = {}  # request id -> abort once its pull is done
+        self.pull_tasks: set[asyncio.Task] = set()  # held: a task nobody references may be collected
 
     async def decode(self, req: EngineRequest, handoff: PrefillResult, prefill=None) -> None:
         """Continue a prefilled request here. Returns once it is accepted: its first
@@ -36,10 +36,9 @@ class DecodeWorker(EngineWorker):
         outbox = self._admit(req)
         rid = req.request_id
         ticket = handoff.ticket
-        # the pin's end by this host's clock too (the ticket's is the prefill host's)
-        pin_end = None
+        pin_end = None  # (None: no pin to wait on, recompute when there is no room now)
         if ticket is not None and prefill is not None:
-            pin_end = min(ticket.lease_deadline, time.time() + self.kv_config.lease_seconds)
+            pin_end = self.lease.pin_end(ticket.lease_deadline, time.time())
         try:
             _, room = await self.llm.add_prefilled_request(
                 rid,
@@ -53,31 +52,25 @@ class DecodeWorker(EngineWorker):
         except BaseException:
             outbox.unregister(rid)
             raise
-        asyncio.ensure_future(self._pull(handoff, prefill, rid, room))
+        task = asyncio.ensure_future(self._pull(handoff, prefill, rid, room))
+        self.pull_tasks.add(task)
+        task.add_done_callback(self.pull_tasks.discard)
 
     async def _pull(self, handoff: PrefillResult, prefill, rid: str, room: asyncio.Future) -> None:
         """Once the engine has blocks for it (at once, or when some free up), pull the
         prompt's KV into them. Runs to its end even if the request is aborted meanwhile: a
-        pull cut off midway would break the pair group and leave the blocks half written."""
+        pull cut off midway would break the pair group and leave the blocks half written
+        (the engine frees an aborted request's blocks when its pull reports back)."""
         blocks = await room
         if blocks is None:  # nothing to pull (ended, aborted, or recomputed here)
             if handoff.ticket is not None and prefill is not None:
                 prefill.release_kv.remote(rid)  # let the pin go now
             return
-        self.pulling[rid] = False
         ok = False
         try:
             ok = await self.puller.pull(handoff.ticket, prefill, self.llm.kv_cache, blocks)
         finally:
             await self.llm.finish_kv_pull(rid, ok)
-            if self.pulling.pop(rid, False):  # aborted while its blocks were being written
-                self.llm.abort(rid)
-
-    async def _abort(self, request_id: str) -> None:
-        if request_id in self.pulling:  # its blocks are being written: abort after the pull
-            self.pulling[request_id] = True
-            return
-        self.llm.abort(request_id)
 
     async def _transfer(self) -> tuple[int, float, list[int]]:
         p = self.puller

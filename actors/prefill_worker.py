@@ -39,7 +39,7 @@ class PrefillWorker(EngineWorker):
         rid = req.request_id
         prompt = {"prompt_token_ids": req.prompt_token_ids}
         stream = await self.llm.add_request(
-            rid, prompt, prefill_params(req.params), kv_lease=self.kv_config.lease_seconds
+            rid, prompt, prefill_params(req.params), kv_lease=self.lease.lease_s
         )
         final = None
         handed_off = False
@@ -95,13 +95,13 @@ class PrefillWorker(EngineWorker):
 
     async def hold_kv(self, request_id: str) -> list[int] | None:
         """A multi-shard pull is starting: keep the pin from expiring until `release_kv`
-        (or twice the pull timeout, should the decode side vanish). None: lease over."""
+        (or the policy's hold, should the decode side vanish). None: lease over."""
         if request_id in self.holds:
             return None
         blocks = self.llm.pins.begin_read(request_id)
         if blocks is not None:
-            later = 2 * self.kv_config.pull_timeout_seconds
-            self.holds[request_id] = asyncio.get_running_loop().call_later(later, self._end_hold, request_id)
+            loop = asyncio.get_running_loop()
+            self.holds[request_id] = loop.call_later(self.lease.hold_s, self._end_hold, request_id)
         return blocks
 
     def _end_hold(self, request_id: str) -> None:

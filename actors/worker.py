@@ -34,6 +34,7 @@ from kvray.actors.shard_group import start_shards
 from kvray.actors.signals import engine_load
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
+from kvray.engine.kv_handoff import LeasePolicy
 from kvray.engine.llm_engine import EngineStats
 from kvray.engine.request_limits import RequestLimits
 from kvray.errors import EngineDeadError, KvrayError
@@ -73,6 +74,8 @@ class EngineWorker:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.kv_config = KVTransferConfig(**(kv_config or {}))
+        # the hand-off's timing rules, the engine's and this worker's alike
+        self.lease = LeasePolicy(self.kv_config.lease_seconds, self.kv_config.pull_timeout_seconds)
         config = EngineConfig(**engine_config)
         self.host = node_ip()
         bind_collectives_to(self.host)  # KV pairs and shard groups: never loopback by accident

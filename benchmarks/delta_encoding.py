@@ -1,8 +1,8 @@
 """How a step's batch of deltas is best encoded for the worker -> front stream: pickle
 (what Ray does with a list of `Delta` tuples today), msgpack and msgspec (if installed)
 of the same values as plain arrays. Bytes per batch and µs to encode + decode, beside
-the measured cost of one item on a Ray actor stream (about 700 µs on a 2-core machine,
-BENCHMARKS.md), which is what the choice would have to beat.
+the measured cost of one item on a Ray actor stream (about 700 µs on a 2-core machine),
+which is what the choice would have to beat.
 
     python benchmarks/delta_encoding.py [--batch 1,16,128] [--logprobs 0,5]
 """

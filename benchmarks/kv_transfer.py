@@ -29,7 +29,8 @@ from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.cluster.local import ensure_ray, launch
 from kvray.configs import KVTransferConfig
 from kvray.engine import SamplingParams
-from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
+from kvray.engine.kv_handoff import PinTable
+from kvray.engine.kv_transfer import KVLayout, KVTicket
 
 LAYOUTS = {
     "SmolLM2-135M (fp32)": KVLayout(30, 16, 3, 64, "float32"),

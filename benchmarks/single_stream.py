@@ -11,7 +11,7 @@ measures, in one run:
 - kvray's single-stream decode rate (a 1+N token generation driven step by step, its
   decode steps timed, prefix caching off) and its fraction of the limit, in `--rounds`
   rounds. These VMs' read bandwidth moves on a scale of seconds (34 GB/s most of the
-  time on the 2-core Zen 4, with bursts of a few seconds at ~65, BENCHMARKS.md), so each
+  time on the 2-core Zen 4, with bursts of a few seconds at ~65), so each
   round samples it between its decode steps, one sum every 16 steps, and its limit comes
   from the mean of those samples: the bandwidth the decode had, not a burst before or
   after it. Memory also read faster some 10-20 s after it was first touched, so the

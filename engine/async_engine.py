@@ -26,7 +26,8 @@ import torch
 from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
 from kvray.engine.engine_commands import Abort, AddPrefilled, AddRequest, Call, Command
-from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
+from kvray.engine.kv_handoff import PinTable
+from kvray.engine.kv_transfer import KVLayout, KVTicket
 from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.request_limits import RequestLimits
@@ -381,8 +382,7 @@ class AsyncLLM:
                 self._busy_since = start = time.monotonic()
                 start_cpu = time.thread_time() if trace is not None else 0.0
                 self._drain_commands()
-                engine.expire_kv_leases()
-                self._grant_rooms()
+                self._grant_rooms(engine.handoff_step())
                 self._publish(engine.take_pending_outputs())
                 if not engine.has_unfinished_requests():
                     self._idle(0.5)
@@ -479,10 +479,10 @@ class AsyncLLM:
         else:
             self._give_room(rid, room, blocks)
 
-    def _grant_rooms(self) -> None:
+    def _grant_rooms(self, rooms: list[tuple[str, list[int] | None]]) -> None:
         """Blocks freed since the last step go to the prefilled requests waiting to pull."""
-        if self._rooms:
-            for rid, blocks in self.engine.grant_pull_room():
+        if rooms:
+            for rid, blocks in rooms:
                 room = self._rooms.pop(rid, None)
                 if room is not None:  # (None: the engine failed meanwhile, its waiters released)
                     self._give_room(rid, room, blocks)

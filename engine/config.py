@@ -6,7 +6,8 @@ context length) live on the engine, never written back into this object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from kvray.engine import request_limits as limits
 from kvray.engine.spec_decode import SpeculativeConfig
@@ -69,6 +70,9 @@ class EngineConfig:
     # requests move to other workers. Generous: a long prompt chunk of a large model on a
     # CPU, or a first step that compiles GPU kernels, takes tens of seconds.
     step_timeout_s: float = 300.0
+    # CPU: a decode step of up to 64 rows runs every layer in one native call
+    # (models/native_decode.py); KVRAY_FUSED_DECODE=0 turns it off too, read once, here
+    fused_decode: bool = field(default_factory=lambda: os.environ.get("KVRAY_FUSED_DECODE", "1") != "0")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

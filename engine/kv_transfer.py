@@ -1,11 +1,12 @@
 """What moves between a prefill and a decode engine: tickets, pins and packed blocks.
 
 The prefill side finishes a request after its first token but keeps the prompt's
-blocks *pinned* (still counted as used) under a lease. A `KVTicket` names them. The
-decode side pulls the blocks' contents, then confirms; the prefill side then releases the
-pin and the blocks become ordinary prefix-cache blocks. A lease that ends first releases
-them too, and a pull that comes later finds nothing and recomputes — never reading
-blocks that were reused meanwhile: a pin that is being read cannot expire.
+blocks *pinned* (still counted as used) under a lease (engine/kv_handoff.py owns the
+pins). A `KVTicket` names them. The decode side pulls the blocks' contents, then
+confirms; the prefill side then releases the pin and the blocks become ordinary
+prefix-cache blocks. A lease that ends first releases them too, and a pull that comes
+later finds nothing and recomputes — never reading blocks that were reused meanwhile: a
+pin that is being read cannot expire.
 
 Packed layout of n blocks (one tensor, so a transfer is one message, not n * layers)::
 
@@ -23,9 +24,7 @@ unpacking overlaps with receiving.
 
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -212,75 +211,6 @@ def unpack_blocks(
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     dst = _view(kv_cache, layers, heads)
     dst.index_copy_(2, index, packed.to(device=kv_cache.device, dtype=kv_cache.dtype))
-
-
-@dataclass
-class _Pin:
-    blocks: list[int]
-    deadline: float
-    num_tokens: int
-    block_hashes: tuple[bytes, ...]
-    readers: int = 0
-    released: bool = False  # let go while being read: goes when the last read ends
-
-
-@dataclass
-class PinTable:
-    """Pinned blocks per request. Readers (a transfer in flight, any thread) hold a pin
-    against expiry and release; releasing blocks to the pool is left to the engine thread.
-
-    A release can overtake the read it confirms: a torch_dist pull's receiver has every
-    byte, and says so, before the sender's last send has returned. Such a pin is marked
-    released and `expired` lists it as soon as its last read ends."""
-
-    pins: dict[str, _Pin] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(
-        self,
-        request_id: str,
-        blocks: list[int],
-        deadline: float,
-        num_tokens: int,
-        block_hashes: tuple[bytes, ...],
-    ) -> None:
-        with self.lock:
-            self.pins[request_id] = _Pin(list(blocks), deadline, num_tokens, block_hashes)
-
-    def begin_read(self, request_id: str) -> list[int] | None:
-        """Blocks to read, or None when the pin is gone, let go, or its lease has ended."""
-        with self.lock:
-            pin = self.pins.get(request_id)
-            if pin is None or pin.released or time.time() > pin.deadline:
-                return None
-            pin.readers += 1
-            return list(pin.blocks)
-
-    def end_read(self, request_id: str) -> None:
-        with self.lock:
-            pin = self.pins.get(request_id)
-            if pin is not None:
-                pin.readers -= 1
-
-    def pop(self, request_id: str) -> list[int] | None:
-        """Remove a pin nobody is reading; returns its blocks. None: absent, or being read
-        (then it is marked released: `expired` lists it once the read ends)."""
-        with self.lock:
-            pin = self.pins.get(request_id)
-            if pin is None:
-                return None
-            if pin.readers > 0:
-                pin.released = True
-                return None
-            return self.pins.pop(request_id).blocks
-
-    def expired(self, now: float) -> list[str]:
-        """Pins to release now: nobody reads them, and their lease is over or they were let go."""
-        with self.lock:
-            return [rid for rid, p in self.pins.items() if not p.readers and (p.released or now > p.deadline)]
-
-    def __len__(self) -> int:
-        return len(self.pins)
 
 
 def prefill_params(params):

@@ -18,8 +18,8 @@ from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
 from kvray.engine.draft_proposer import DraftProposer
 from kvray.engine.kv_cache_manager import KVCacheManager
-from kvray.engine.kv_connector import DecodeHandoff, PrefillHandoff
-from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable, kv_layout_of
+from kvray.engine.kv_handoff import KVHandoff, PinTable
+from kvray.engine.kv_transfer import KVLayout, KVTicket, kv_layout_of
 from kvray.engine.model_runner import build_runner, resolve_max_model_len
 from kvray.engine.output_processor import OutputProcessor
 from kvray.engine.outputs import RequestOutput
@@ -110,10 +110,9 @@ class LLMEngine:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        # the two halves of a KV hand-off: prompts held for a decode worker's pull (the
-        # scheduler asks it at each finish), and pulls arriving into blocks reserved here
-        self.handoff = PrefillHandoff(self.kv, config.block_size)
-        self.pulls = DecodeHandoff(self.kv)
+        # every KV hand-off here: prompts held for a decode worker's pull (the scheduler
+        # asks it at each finish), and pulls arriving into blocks reserved here
+        self.handoff = KVHandoff(self.kv, config.block_size)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -194,7 +193,7 @@ class LLMEngine:
         self.intake.validate(ids + list(generated), params)
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys() | self.pins.pins.keys()
-        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.pulls:
+        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.handoff:
             raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
         replayed = list(generated if made_elsewhere is None else made_elsewhere)
         samples = self.intake.samples(sample_ids, text, ids, params, priority, deadline, replayed, matchers)
@@ -210,12 +209,7 @@ class LLMEngine:
             samples = self.outputs.samples_of(rid)
             if not samples:
                 continue
-            pulling = self.pulls.get(rid)
-            if pulling is not None:
-                # A transfer may still be writing into its blocks: they are freed when the
-                # pull reports back (finish_kv_pull), never before. (One waiting for blocks
-                # leaves at the next `grant_pull_room`.)
-                pulling.status = RequestStatus.FINISHED_ABORTED
+            self.handoff.abort(rid)  # a pull writing into its blocks frees them as it ends
             self.scheduler.abort([s.request_id for s in samples])
             for s in samples:
                 self._forget(s.request_id)
@@ -225,7 +219,7 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pulls)
+        return self.scheduler.has_unfinished() or self.handoff.num_pulling > 0
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -312,12 +306,12 @@ class LLMEngine:
         requests = [*sched.waiting, *sched.running]
         return EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + len(self.pulls.waiting),  # (those waiting to pull too)
+            num_waiting=len(sched.waiting) + len(self.handoff.waiting),  # (those waiting to pull too)
             queued_prompt_tokens=sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests),
             kv=self.kv.stats(),
-            num_pinned=len(self.handoff),
-            num_pulling=len(self.pulls),
-            num_kv_recomputes=self.pulls.num_recomputes,
+            num_pinned=self.handoff.num_pinned,
+            num_pulling=self.handoff.num_pulling,
+            num_kv_recomputes=self.handoff.num_recomputes,
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=sched.num_preemptions,
@@ -351,6 +345,19 @@ class LLMEngine:
     def expire_kv_leases(self) -> None:
         self.handoff.expire(time.time())
 
+    def handoff_step(self, now: float | None = None) -> list[tuple[str, list[int] | None]]:
+        """Between steps (KVHandoff.on_step): pins whose lease ended go back to the pool;
+        requests waiting for room to pull into get blocks freed since, before the next
+        step's new requests: (request id, blocks to pull into, then `finish_kv_pull`), or
+        (request id, None) for one that will not pull (aborted, or queued here for
+        recompute as its pin is about to lapse). None go out while a preempted request
+        waits to come back: it has computed more than a prompt."""
+        may_allocate = not any(r.num_preemptions for r in self.scheduler.waiting)
+        step = self.handoff.on_step(time.time() if now is None else now, may_allocate)
+        for req in step.recompute:
+            self.scheduler.add_request(req)
+        return step.rooms
+
     # ---- disaggregation: the decode side ------------------------------------------------
 
     def add_prefilled_request(
@@ -369,7 +376,7 @@ class LLMEngine:
         `finish_kv_pull`; None when there are none now: the first token ended the request,
         or no blocks are free. Then, with a `pull_deadline` (wall-clock time when the
         prefill's pin lapses) still ahead, it waits for blocks (`waits_for_room`) and
-        `grant_pull_room` hands them out as they free up (vLLM's decode side waits so too);
+        `handoff_step` hands them out as they free up (vLLM's decode side waits so too);
         without, or once it is too near, the prompt is queued for recompute here.
 
         The first token's output (final if it ended the request) goes to
@@ -392,44 +399,23 @@ class LLMEngine:
             self.pending_outputs.append(first)
         if reason is not None:
             return None
-        blocks = self.pulls.reserve(req, pull_deadline)
+        blocks = self.handoff.admit_prefilled(req, pull_deadline)
         if blocks is None and not self.waits_for_room(request_id):
             self.scheduler.add_request(req)  # recomputed here
         return blocks
 
     def waits_for_room(self, request_id: str) -> bool:
         """Whether a prefilled request waits for blocks to pull its prompt into."""
-        return request_id in self.pulls.waiting
-
-    def grant_pull_room(self, now: float | None = None) -> list[tuple[str, list[int] | None]]:
-        """Freed blocks for the requests waiting to pull, before the next step's new
-        requests (DecodeHandoff.grant): (request id, blocks to pull into, then
-        `finish_kv_pull`), or (request id, None) for one that will not pull (aborted, or
-        queued here for recompute as its pin is about to lapse). None go out while a
-        preempted request waits to come back: it has computed more than a prompt."""
-        may_allocate = not any(r.num_preemptions for r in self.scheduler.waiting)
-        decided, lapsed = self.pulls.grant(time.time() if now is None else now, may_allocate)
-        for req in lapsed:
-            self.scheduler.add_request(req)
-        return decided
+        return self.handoff.waits(request_id)
 
     def finish_kv_pull(self, request_id: str, ok: bool) -> None:
         """The pull into the reserved blocks finished (ok) or failed (recompute here)."""
-        req = self.pulls.finish(request_id)
-        if req is None:
-            return
-        if req.finished:  # aborted while the pull was writing: now its blocks can go
-            self.kv.free(req)
-            return
-        if ok:
-            req.num_computed_tokens = req.num_prompt_tokens
-            self.kv.allocate_slots(req, 0)  # indexes the pulled full blocks for prefix reuse
+        req = self.handoff.finish_pull(request_id, ok)
+        if req is not None and ok:
             self.scheduler.add_running(req)
-        else:
-            self.pulls.num_recomputes += 1
-            self.kv.free(req)
+        elif req is not None:
             self.scheduler.add_request(req)
 
     @property
     def num_kv_recomputes(self) -> int:
-        return self.pulls.num_recomputes
+        return self.handoff.num_recomputes

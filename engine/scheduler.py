@@ -14,13 +14,22 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from kvray.engine.kv_cache_manager import KVCacheManager
-from kvray.engine.kv_connector import KVConnectorScheduler
 from kvray.engine.request import Request, RequestStatus
 
 Policy = Literal["fcfs", "priority", "deadline"]
+
+
+class KVConnectorScheduler(Protocol):
+    """What the scheduler asks at each finish (engine/kv_handoff.py answers)."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """`request` has just finished (its status says how): True to keep its blocks
+        (they become the connector's), False to let the scheduler free them."""
+        ...
+
 
 POLICY_KEYS: dict[str, Callable[[Request], tuple]] = {
     "fcfs": lambda r: (r.arrival_time,),

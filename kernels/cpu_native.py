@@ -18,6 +18,7 @@ elsewhere, so the tests run on any CPU).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -37,23 +38,41 @@ def weight_codes(panels: Panels) -> int:
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take
 
 
-EVERY_STEP = 1 << 62  # a PANEL_ROWS that no step reaches
-
-
-def _panel_rows() -> dict[torch.dtype, int]:
-    """Up to how many rows `linear` beats oneDNN's packed weights. The fp32 panels are
-    AVX2-shaped (8-float vectors): where oneDNN has AVX-512 it wins from 4 rows on (Zen 5:
-    1-2 rows 9.6-11.0 ms against 11.7, 4 rows 11.4 against 11.0, for a step's 30 layers);
-    where it has not, the panels win at every row count measured, prompt chunks included
-    (Zen 2, the model's four shapes, 64-512 rows: 178-198 GFLOP/s against oneDNN's
-    108-154; BENCHMARKS.md, offline). The bf16 panels beat it at 1-128 rows."""
-    fp32_rows = 2 if "avx512f" in cpu_flags() else EVERY_STEP
-    return {torch.float32: fp32_rows, torch.bfloat16: 64}
-
-
-PANEL_ROWS = _panel_rows()  # where `takes_linear` sends rows to the panels
+EVERY_STEP = 1 << 62  # panel rows that no step reaches
 FUSED_ROWS = 64  # the most rows of a decode step run as one native call (models/native_decode.py)
-LINEAR_ROWS = {dtype: min(rows, FUSED_ROWS) for dtype, rows in PANEL_ROWS.items()}  # ... of each dtype
+
+
+@dataclass(frozen=True)
+class NativePolicy:
+    """Which of a model's steps go to the native kernels, fixed when its weights are
+    packed (models/cpu_linear.pack_model; the engine builds it from its config, tests
+    pass their own): steps of up to `panel_rows(dtype)` rows go through a layer's panels
+    (wider ones through oneDNN), and with `fused_decode` a decode step of up to
+    `fused_rows(dtype)` rows runs every layer in one call."""
+
+    fp32_rows: int
+    bf16_rows: int = 64
+    fused_decode: bool = True
+
+    def panel_rows(self, dtype: torch.dtype) -> int:
+        return {torch.float32: self.fp32_rows, torch.bfloat16: self.bf16_rows}.get(dtype, 0)
+
+    def fused_rows(self, dtype: torch.dtype) -> int:
+        return min(self.panel_rows(dtype), FUSED_ROWS)
+
+    def every_step(self, dtype: torch.dtype) -> bool:
+        """Whether the panels take every step's rows: then a layer needs no other copy."""
+        return self.panel_rows(dtype) >= EVERY_STEP
+
+
+def machine_policy(fused_decode: bool = True) -> NativePolicy:
+    """Up to how many rows the panels beat oneDNN's packed weights on this CPU. The fp32
+    panels are AVX2-shaped (8-float vectors): where oneDNN has AVX-512 it wins from 4 rows
+    on (Zen 5: 1-2 rows 9.6-11.0 ms against 11.7, 4 rows 11.4 against 11.0, for a step's
+    30 layers); where it has not, the panels win at every row count measured, prompt
+    chunks included (Zen 2, the model's four shapes, 64-512 rows: 178-198 GFLOP/s against
+    oneDNN's 108-154; BENCHMARKS.md, offline). The bf16 panels beat it at 1-128 rows."""
+    return NativePolicy(2 if "avx512f" in cpu_flags() else EVERY_STEP, 64, fused_decode)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None = None) -> bool:
@@ -263,11 +282,13 @@ class Panels(NamedTuple):
     bf16 [ceil(n / 32), k / 2, 32, 2]; int8 codes (`quantization="int8"`, kernels/
     cpu_linear_q8.c) [ceil(n / 16), 16 k + 64] bytes: each panel's codes [k][16], then its
     16 columns' fp32 scales; grouped low-bit codes (`"int4"`, `"gguf"`: kernels/cpu_groups.py)
-    a uint8 buffer."""
+    a uint8 buffer. `rows`: up to how many rows of a step the layers send to them
+    (NativePolicy.panel_rows; codes, the weight's only copy, take any)."""
 
     data: torch.Tensor
     n: int
     k: int
+    rows: int = EVERY_STEP
 
 
 def to_panels(weight: torch.Tensor) -> Panels | None:
@@ -338,21 +359,15 @@ def embedding_rows(panels: Panels, ids: torch.Tensor, dtype: torch.dtype) -> tor
     return out.view(*ids.shape, panels.k)
 
 
-def takes_every_step(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the panels take every step's rows of this dtype here: then a layer needs no
-    other copy of its weight (models/cpu_linear.py)."""
-    return takes(dtype, device) and PANEL_ROWS.get(dtype, 0) >= EVERY_STEP
-
-
 def takes_linear(x: torch.Tensor, panels: Panels | None) -> bool:
-    """Whether `linear` takes x [rows, k]: at most PANEL_ROWS CPU rows of the panels'
+    """Whether `linear` takes x [rows, k]: at most `panels.rows` CPU rows of the panels'
     dtype and width (panels of codes: any rows of fp32 or bf16, they are the weight's only copy)."""
     codes = panels is not None and panels.data.dtype in QUANTIZED
     return (
         panels is not None
         and x.dim() == 2
         and (x.dtype == panels.data.dtype or codes and x.dtype in DTYPES)
-        and (codes or x.shape[0] <= PANEL_ROWS[x.dtype])
+        and (codes or x.shape[0] <= panels.rows)
         and x.shape[1] == panels.k
         and usable(x)
     )

@@ -11,7 +11,7 @@ and multiplying with `_linear_pointwise` skips that copy: 1.5-2.5x faster at M =
 At the rows of a decode step (1-64) oneDNN's kernels are slow for these shapes: at one
 row they stream the weight at about half the machine's bandwidth. Where the native
 kernel is built (fp32 and bf16), each layer also keeps its weight in that kernel's panel layout
-(`cpu_native.to_panels`, kernels/cpu_linear.c) and steps of up to `PANEL_ROWS` rows go
+(`cpu_native.to_panels`, kernels/cpu_linear.c) and steps of up to the policy's rows go
 through it, at the cost of a second copy of the weights; fp32 on a CPU without AVX-512
 takes it at every step, prompt chunks included, so there the panels are the only copy.
 The dense weight is released after packing.
@@ -47,7 +47,7 @@ def linear(
     packed: torch.Tensor | None,
     panels: cpu_native.Panels | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b): through the native panels where they take the rows (`PANEL_ROWS`),
+    """x W^T (+ b): through the native panels where they take the rows (`panels.rows`),
     else through the packed weight when there is one (fp8 codes, on any device, through
     torch._scaled_mm)."""
     if isinstance(panels, Fp8Weight):
@@ -115,20 +115,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
-def panels_for(weight: torch.Tensor) -> cpu_native.Panels | None:
-    """The weight in the native kernel's panels, where that kernel runs (built here, a
-    dtype it takes)."""
+def panels_for(weight: torch.Tensor, policy: cpu_native.NativePolicy) -> cpu_native.Panels | None:
+    """The weight in the native kernel's panels, taking the policy's rows, where that
+    kernel runs (built here, a dtype it takes)."""
     if not cpu_native.takes(weight.dtype, weight.device):
         return None
-    return cpu_native.to_panels(weight)
+    panels = cpu_native.to_panels(weight)
+    return None if panels is None else panels._replace(rows=policy.panel_rows(weight.dtype))
 
 
-def weight_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, cpu_native.Panels | None]:
+def weight_copies(
+    weight: torch.Tensor, policy: cpu_native.NativePolicy
+) -> tuple[torch.Tensor | None, cpu_native.Panels | None]:
     """`weight`'s copies for `linear`: (oneDNN-packed, native panels), each None where that
     way does not run here; no oneDNN copy where the panels take every step (fp32 on an
     AVX2 CPU: it would never be read)."""
-    panels = panels_for(weight)
-    if panels is not None and cpu_native.takes_every_step(weight.dtype, weight.device):
+    panels = panels_for(weight, policy)
+    if panels is not None and policy.every_step(weight.dtype):
         return None, panels
     return pack_weight(weight), panels
 
@@ -158,7 +161,7 @@ def quantized_panels(
     return None
 
 
-def pack_layer(layer: nn.Module, quantization: str | None = None) -> None:
+def pack_layer(layer: nn.Module, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
     """layer.packed, layer.panels = its weight's copies (`weight_copies`); the dense
     `layer.weight` goes once they serve every step (oneDNN's copy, or the panels alone).
     Quantized (`quantized_panels`): panels of codes are the weight's only copy (every
@@ -169,12 +172,8 @@ def pack_layer(layer: nn.Module, quantization: str | None = None) -> None:
     if panels is not None:
         layer.packed, layer.panels, layer.weight = None, panels, None
         return
-    layer.packed, layer.panels = weight_copies(weight)
-    if (
-        layer.packed is not None
-        or layer.panels is not None
-        and cpu_native.takes_every_step(weight.dtype, weight.device)
-    ):
+    layer.packed, layer.panels = weight_copies(weight, policy)
+    if layer.packed is not None or layer.panels is not None and policy.every_step(weight.dtype):
         layer.weight = None
 
 
@@ -207,6 +206,7 @@ def pack_model(
     device: torch.device,
     quantization: str | None = None,
     ignore: tuple[str, ...] = (),
+    policy: cpu_native.NativePolicy | None = None,
 ) -> int:
     """Pack every layer that can (modules with `pack_for_cpu`); returns how many did. Where
     oneDNN does not take the dtype (bf16 on a CPU without AVX-512) the native panels still
@@ -214,7 +214,11 @@ def pack_model(
     native kernels on a CPU: else an InvalidArgumentError naming it; "gguf" a model built
     from a GGUF file with it (loader.build_model: its linears' codes attached). Modules
     `ignore` names (engine/config.py quantization_ignore; the model's own entry stands for
-    its LM head, "lm_head") stay in the dtype."""
+    its LM head, "lm_head") stay in the dtype. `policy`: which steps go to the native
+    kernels (default: this CPU's, `cpu_native.machine_policy`), kept as
+    `model.native_policy` for its fused decode steps."""
+    policy = policy or cpu_native.machine_policy()
+    model.native_policy = policy
     if quantization not in (None, "fp8") and not cpu_native.takes(dtype, device):
         raise InvalidArgumentError(
             "quantization", quantization, "None here (quantized weights run on the native CPU kernels: a CPU "
@@ -232,16 +236,18 @@ def pack_model(
     with torch.no_grad():
         for name, module in model.named_modules():
             if hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu(None if ignored(model, name or "lm_head", ignore) else quantization)
+                module.pack_for_cpu(
+                    None if ignored(model, name or "lm_head", ignore) else quantization, policy
+                )
                 packed += 1
     native = gather_panels(model) > 0
     name = str(dtype).removeprefix("torch.")
     if quantization is not None:
         how = f"quantized as {quantization} (native panels, the LM head too; the embedding in {name})"
-    elif native and cpu_native.takes_every_step(dtype, device):
+    elif native and policy.every_step(dtype):
         how = "held once, in the native panels (they take every step)"
     else:
-        rows = cpu_native.PANEL_ROWS.get(dtype, 0)
+        rows = policy.panel_rows(dtype)
         how = "packed for oneDNN" if can_pack(dtype, device) else "kept dense (oneDNN does not take it)"
         how += f"; native panels for steps of up to {rows} rows" if native else ""
     logger.info("kvray: %d linear layers (%s) %s", packed, name, how)
@@ -276,7 +282,7 @@ def gather_panels(model: nn.Module) -> int:
         old = getattr(module, attr)
         new = arena[start : start + old.data.nbytes].view(old.data.dtype).view(old.data.shape)
         new.copy_(old.data)
-        setattr(module, attr, cpu_native.Panels(new, old.n, old.k))
+        setattr(module, attr, old._replace(data=new))
         start, moved = start + span, moved + span
         old = None
         if moved >= TRIM_EVERY:

@@ -65,9 +65,9 @@ class PackedLinear(nn.Module):
         start, rows = self.offsets[part]
         param.data[start : start + len(rows)].copy_(loaded[rows.start : rows.stop])
 
-    def pack_for_cpu(self, quantization: str | None = None) -> None:
+    def pack_for_cpu(self, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
         """Multiply through a packed copy from now on (loaded weights only)."""
-        pack_layer(self, quantization)
+        pack_layer(self, quantization, policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.panels)
@@ -90,8 +90,8 @@ class RowParallelLinear(nn.Module):
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
         param.data.copy_(loaded[:, self.in_cols.start : self.in_cols.stop])
 
-    def pack_for_cpu(self, quantization: str | None = None) -> None:
-        pack_layer(self, quantization)
+    def pack_for_cpu(self, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
+        pack_layer(self, quantization, policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:

@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         width = -(-self.config.vocab_size // self.shard.tp_size)
         return self.shard.all_gather_last(logits, width)[:, : self.config.vocab_size].float()
 
-    def pack_for_cpu(self, quantization: str | None = None) -> None:
+    def pack_for_cpu(self, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
         """The LM head's packed copy (the embedding keeps its rows: a tied head shares them).
         Quantized: the head as panels of codes too (cpu_linear.quantized_panels; a step
         reads the whole head: for Qwen2.5-0.5B 43 % of its bytes; the shipped GGUF files
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
                 elif not self.tie_word_embeddings:
                     head.weight = None  # the codes are the head's only copy
             else:
-                self.packed_head, self.panels_head = weight_copies(head.weight)
+                self.packed_head, self.panels_head = weight_copies(head.weight, policy)
         grouped = getattr(self, "grouped_embed", None)
         if embed is not None and embed.weight is not None and grouped is not None:
             embed.hold_codes(quantized_panels(embed.weight, "gguf", grouped))  # its own codes

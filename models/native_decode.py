@@ -8,11 +8,12 @@ the same math and roundings as the modules (their norms, RoPE, matmul panels and
 attention kernels).
 
 A step qualifies when every row is a decode row (the torch attention backend's plan has
-no prompt chunk), there are at most `cpu_native.LINEAR_ROWS` of them, and the model
+no prompt chunk), there are at most `NativePolicy.fused_rows` of them, and the model
 qualifies: fp32 or bf16 on a CPU, no tensor parallelism, every linear in the native
 panels, a KV cache in the model's dtype or int8 (`kv_cache_dtype="int8"`: the new K/V
 quantized as kv_quant.quantize does it, bit for bit) with heads the decode kernel takes.
-`KVRAY_FUSED_DECODE=0` turns it off (the modules then run as before).
+The engine config's `fused_decode=False` (or `KVRAY_FUSED_DECODE=0`) turns it off (the
+modules then run as before).
 
 The runner's decode steps go one further (`step`, by way of `LlamaForCausalLM.decode_step`,
 one shard only): from the plan's token ids, positions, slots and block tables as Python
@@ -23,8 +24,6 @@ BENCHMARKS.md), nor the head's second parallel region and torch ops.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -44,6 +43,7 @@ class NativeDecode:
         cfg, first = model.config, model.layers[0]
         attn = first.self_attn
         self.dtype = first.input_layernorm.weight.dtype
+        self.most_rows = model.native_policy.fused_rows(self.dtype)  # rows of a step it takes
         self.shape = cpu_fused.DecodeShape(
             hidden=cfg.hidden_size,
             num_q_heads=attn.num_heads,
@@ -71,7 +71,8 @@ class NativeDecode:
     @staticmethod
     def qualifies(model, kv_caches) -> bool:
         """Whether the model's layers and caches can run here (checked once per cache set)."""
-        if os.environ.get("KVRAY_FUSED_DECODE", "1") == "0" or model.shard.tp_size != 1 or not model.layers:
+        policy = getattr(model, "native_policy", None)  # (set when its weights were packed)
+        if policy is None or not policy.fused_decode or model.shard.tp_size != 1 or not model.layers:
             return False
         if len(kv_caches) != len(model.layers):
             return False
@@ -102,7 +103,7 @@ class NativeDecode:
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
         """The hidden states out of the last layer, or None where this step does not qualify."""
         rows = decode_only(meta)
-        if rows is None or x.dtype != self.dtype or x.shape[0] > cpu_native.LINEAR_ROWS[x.dtype]:
+        if rows is None or x.dtype != self.dtype or x.shape[0] > self.most_rows:
             return None
         cos, sin = rope
         if cos.dtype != torch.float32:
@@ -126,7 +127,7 @@ class NativeDecode:
         embedding, RoPE tables, every layer and `head` (the final norm's weight, the LM
         head's panels) in one call: the fp32 logits and their argmax, or None where it does
         not qualify (the caller then runs the modules)."""
-        if len(plan.input_ids) > cpu_native.LINEAR_ROWS[self.dtype]:
+        if len(plan.input_ids) > self.most_rows:
             return None
         if isinstance(embed, cpu_native.Panels):  # an embedding held as grouped codes
             if cpu_native.weight_codes(embed) != 2:

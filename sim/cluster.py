@@ -165,7 +165,7 @@ class Simulator:
             num_gpus=self.spec.num_gpus,
             busy_s={w.worker_id: w.busy_s for w in workers},
             num_preemptions=sum(w.scheduler.num_preemptions for w in workers),
-            num_kv_recomputes=sum(w.pulls.num_recomputes for w in workers),
+            num_kv_recomputes=sum(w.handoff.num_recomputes for w in workers),
             gave_up=gave_up,
         )
 

@@ -4,7 +4,7 @@ step-time model where the model forward would be.
 A step is `schedule()` now and `update_from_output()` when the step-time model says the
 forward is done; the sampled token is a stand-in (requests are `ignore_eos` with
 `max_tokens` = their output length, so only the count matters). Prefill workers hold a
-finished prompt's blocks through the real `PrefillHandoff` until the decode side has
+finished prompt's blocks through the real `KVHandoff` until the decode side has
 pulled them; decode workers reserve blocks for a pull and admit the request when it
 lands, as `LLMEngine.add_prefilled_request` / `finish_kv_pull` do.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvray.engine.kv_cache_manager import KVCacheManager
-from kvray.engine.kv_connector import DecodeHandoff, PrefillHandoff
+from kvray.engine.kv_handoff import KVHandoff, LeasePolicy
 from kvray.engine.request import Request
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.scheduler import Policy, Scheduler, SchedulerOutput
@@ -58,7 +58,8 @@ class SimWorker:
         self.engine = engine
         self.cost = cost
         self.kv = KVCacheManager(engine.num_blocks, engine.block_size, engine.enable_prefix_caching)
-        self.handoff = PrefillHandoff(self.kv, engine.block_size) if role == "prefill" else None
+        # the engine's own hand-off state: a prefill's pins, a decode worker's pulls
+        self.handoff = KVHandoff(self.kv, engine.block_size, LeasePolicy(lease_s=LEASE_S))
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=engine.max_num_seqs,
@@ -67,7 +68,6 @@ class SimWorker:
             policy=engine.policy,
             connector=self.handoff,
         )
-        self.pulls = DecodeHandoff(self.kv)
         self.step: SchedulerOutput | None = None  # the step in flight
         self.busy_s = 0.0  # seconds spent stepping (utilisation)
         self.num_steps = 0
@@ -86,8 +86,8 @@ class SimWorker:
 
     def add(self, request: Request) -> None:
         """Queue a request to compute here (its prompt, and its outputs unless prefill)."""
-        if self.handoff is not None:
-            self.handoff.expect(request.request_id, LEASE_S)
+        if self.role == "prefill":
+            self.handoff.expect(request.request_id)
         self.scheduler.add_request(request)
 
     # ---- the decode side of a hand-off ------------------------------------------------
@@ -96,16 +96,13 @@ class SimWorker:
         """Blocks for a prefilled request's prompt KV (its first token already appended):
         True when reserved (call `land_pull` when the bytes arrive); False when there is no
         room, and the prompt is queued for recompute here instead."""
-        if self.pulls.reserve(request, pin_end=None) is None:  # (the engine waits for room)
+        if self.handoff.admit_prefilled(request, pin_end=None) is None:  # (the engine waits for room)
             self.scheduler.add_request(request)
             return False
         return True
 
     def land_pull(self, request_id: str) -> None:
-        req = self.pulls.finish(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.allocate_slots(req, 0)  # indexes the pulled full blocks for prefix reuse
-        self.scheduler.add_running(req)
+        self.scheduler.add_running(self.handoff.finish_pull(request_id, ok=True))
 
     def release_pin(self, request_id: str) -> None:
         """The prefill side: the decode worker has the blocks."""
@@ -137,7 +134,7 @@ class SimWorker:
 
     @property
     def num_requests(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.pulls)
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + self.handoff.num_pulling
 
     @property
     def kv_usage(self) -> float:

@@ -6,6 +6,7 @@ pure-torch (or oneDNN) paths give."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -79,14 +80,15 @@ def test_layers_give_what_their_torch_path_gives(monkeypatch):
 def test_linear_against_float64(rows, n, k):
     """Every tile height (1-6 rows of x, several groups), a prompt chunk's rows, a last
     panel of 1-16 columns, a bias, and rows of x that lie apart (a slice of wider rows).
-    (The kernel takes any row count; `PANEL_ROWS` only says up to where the layers send
-    rows to it.)"""
+    (The kernel takes any row count; the panels' `rows` only says up to where the layers
+    send rows to it.)"""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     wide = torch.randn(rows, k + 48, generator=gen)
     x = wide[:, 16 : 16 + k]
     weight, bias = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
     panels = cpu_native.to_panels(weight)
-    assert cpu_native.takes_linear(x, panels) == (rows <= cpu_native.PANEL_ROWS[torch.float32])
+    assert cpu_native.takes_linear(x, panels) and cpu_native.takes_linear(x, panels._replace(rows=rows))
+    assert not cpu_native.takes_linear(x, panels._replace(rows=rows - 1))
     want = x.double() @ weight.double().T
     assert _rel(cpu_native.linear(x, panels, None), want) < 1e-5
     assert _rel(cpu_native.linear(x, panels, bias), want + bias.double()) < 1e-5
@@ -115,20 +117,21 @@ def test_linear_shares_take_every_panel_once_at_any_thread_count(threads):
 
 @pytest.mark.parametrize("most", [64, None])
 def test_packed_layer_sends_rows_to_the_native_kernel_up_to_panel_rows(monkeypatch, most):
-    """Up to PANEL_ROWS rows through the panels, wider steps through oneDNN; both give the
-    product. `most`: a limit set here (the rule), or this CPU's own (None: no limit on
-    an AVX2 CPU, where the panels beat oneDNN at prompt chunks' row counts too)."""
+    """Up to the policy's panel rows through the panels, wider steps through oneDNN; both
+    give the product. `most`: a limit set here (the rule), or this CPU's own (None: no
+    limit on an AVX2 CPU, where the panels beat oneDNN at prompt chunks' row counts too)."""
     if not cpu_linear.can_pack(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN cannot pack here")
+    policy = cpu_native.machine_policy()
     if most is not None:
-        monkeypatch.setitem(cpu_native.PANEL_ROWS, torch.float32, most)
-    most = cpu_native.PANEL_ROWS[torch.float32]
+        policy = dataclasses.replace(policy, fp32_rows=most)
+    most = policy.panel_rows(torch.float32)
     gen = torch.Generator().manual_seed(2)
     layer = PackedLinear(576, {"a": range(100), "b": range(60)})
     weight = layer.weight.data = torch.randn(160, 576, generator=gen)
-    layer.pack_for_cpu()
+    layer.pack_for_cpu(None, policy)
     # one copy besides the panels, oneDNN's, unless the panels take every step (then none)
-    every = cpu_native.takes_every_step(torch.float32, torch.device("cpu"))
+    every = policy.every_step(torch.float32)
     assert layer.weight is None and layer.panels is not None and (layer.packed is None) == every
     calls = []
     real = cpu_native.linear
@@ -226,7 +229,7 @@ def test_bf16_layers_take_the_native_paths_and_agree_with_torch(monkeypatch):
     layer = PackedLinear(576, {"a": range(100), "b": range(60)}).to(torch.bfloat16)
     layer.weight.data = _bf16(160, 576, gen=gen, scale=576**-0.5)
     weight = layer.weight.data.clone()
-    layer.panels = cpu_native.to_panels(weight)  # as pack_for_cpu leaves it, beside oneDNN's copy
+    layer.panels = cpu_native.to_panels(weight)._replace(rows=64)  # as pack_for_cpu leaves it (bf16)
     x, res = _bf16(4, 576, gen=gen), _bf16(4, 576, gen=gen)
     calls = []
     for name in ("rms_norm", "linear"):

@@ -1,4 +1,4 @@
-"""The engine's half of a KV hand-off (engine/kv_connector.py): the scheduler asks the
+"""The engine's half of a KV hand-off (engine/kv_handoff.py): the scheduler asks the
 connector at each finish whether a request's blocks are held for a pull. Block size 4 and
 a 16-block pool, so every block id can be traced by hand."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_scheduler import BS, TOKEN, make_request
 
 from kvray.engine.kv_cache_manager import KVCacheManager
-from kvray.engine.kv_connector import PrefillHandoff
+from kvray.engine.kv_handoff import KVHandoff
 from kvray.engine.scheduler import Scheduler
 
 
@@ -16,7 +16,7 @@ def test_connector_decides_which_finished_requests_keep_their_blocks():
     its blocks (now the connector's, under a pin), an aborted one and a plain one free
     theirs. 6-token prompts of block size 4: two blocks each; 16 blocks in all."""
     kv = KVCacheManager(num_blocks=16, block_size=BS)
-    handoff = PrefillHandoff(kv, BS)
+    handoff = KVHandoff(kv, BS)
     sched = Scheduler(kv, 8, 64, 1024, connector=handoff)
     for rid, first in (("held", 1), ("plain", 20), ("aborted", 40)):
         sched.add_request(make_request(rid, 6, first_token=first, max_tokens=1))
@@ -32,7 +32,7 @@ def test_connector_decides_which_finished_requests_keep_their_blocks():
     assert kv.stats().used_blocks == 2
     assert handoff.pins.begin_read("held") == held_blocks
     handoff.pins.end_read("held")
-    assert len(handoff) == 1 and not handoff.leases
+    assert handoff.num_pinned == 1 and not handoff.leases
     ticket = handoff.ticket("prefill-0", "held", layout=None)
     assert ticket.block_ids == tuple(held_blocks) and ticket.num_tokens == 6
     assert len(ticket.block_hashes) == 1  # one full block of the 6 prompt tokens
@@ -44,7 +44,7 @@ def test_a_release_that_overtakes_its_read_frees_the_blocks_when_the_read_ends()
     returned (the read still open): the release is not lost to the lease, the blocks go at
     the engine's first `expire` after the read ends, long before the deadline."""
     kv = KVCacheManager(num_blocks=16, block_size=BS)
-    handoff = PrefillHandoff(kv, BS)
+    handoff = KVHandoff(kv, BS)
     sched = Scheduler(kv, 8, 64, 1024, connector=handoff)
     sched.add_request(make_request("held", 6, first_token=1, max_tokens=1))
     handoff.expect("held", 30.0)
@@ -58,4 +58,4 @@ def test_a_release_that_overtakes_its_read_frees_the_blocks_when_the_read_ends()
     assert kv.stats().used_blocks == 2  # still being read
     handoff.pins.end_read("held")
     handoff.expire(now=0.0)  # the deadline is 30 s away
-    assert kv.stats().used_blocks == 0 and len(handoff) == 0
+    assert kv.stats().used_blocks == 0 and handoff.num_pinned == 0

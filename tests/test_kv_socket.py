@@ -17,7 +17,8 @@ import torch
 from kvray.actors.connectors import KVPullError, KVSource
 from kvray.actors.kv_socket import COUNT, LENGTH, SocketConnector, socket_address
 from kvray.configs import KVTransferConfig
-from kvray.engine.kv_transfer import KVLayout, KVTicket, PinTable
+from kvray.engine.kv_handoff import PinTable
+from kvray.engine.kv_transfer import KVLayout, KVTicket
 
 HOST = "127.0.0.1"
 

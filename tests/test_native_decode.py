@@ -10,6 +10,8 @@ sequences at once."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_no_leaks
@@ -70,11 +72,12 @@ def _model(path, dtype):
 
 
 def fuse_fp32_steps(monkeypatch) -> None:
-    """fp32 decode steps of up to 64 rows fuse, and the modules' own linears take the
-    panels at those rows, on any CPU (on an AVX-512 one, fp32 otherwise goes to oneDNN
-    from 3 rows on)."""
-    monkeypatch.setitem(cpu_native.LINEAR_ROWS, torch.float32, 64)
-    monkeypatch.setitem(cpu_native.PANEL_ROWS, torch.float32, max(64, cpu_native.PANEL_ROWS[torch.float32]))
+    """Engines built from now on send fp32 decode steps of up to 64 rows to the fused
+    layers, and their modules' own linears take the panels at those rows, on any CPU (this
+    CPU's policy, on an AVX-512 one, sends fp32 to oneDNN from 3 rows on)."""
+    machine = cpu_native.machine_policy()
+    policy = dataclasses.replace(machine, fp32_rows=max(64, machine.fp32_rows))
+    monkeypatch.setattr(cpu_native, "machine_policy", lambda fused_decode=True: policy)
 
 
 def _count_fused(monkeypatch):

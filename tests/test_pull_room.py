@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from test_known_defects import _tiny_config
 
 from kvray.engine import SamplingParams
 from kvray.engine.config import EngineConfig
-from kvray.engine.kv_connector import PULL_MARGIN_S
+from kvray.engine.kv_handoff import LeasePolicy
 from kvray.engine.llm_engine import LLMEngine
+from kvray.errors import InvalidArgumentError
+
+MARGIN = LeasePolicy().pull_margin_s  # how near its pin's end a waiting pull gives up
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # layers x (K, V) x block_size x KV heads x head_dim x fp32
 
@@ -38,12 +42,12 @@ def test_waits_for_blocks_then_pulls_without_recomputing():
     # 60 tokens need 4 blocks; 3 are free
     assert engine.add_prefilled_request("late", list(range(101, 161)), PARAMS, 7, pull_deadline=LATER) is None
     assert engine.waits_for_room("late")
-    assert engine.grant_pull_room() == []  # still no room: it waits on
+    assert engine.handoff_step() == []  # still no room: it waits on
     granted = []
     while not granted:
         assert "big" in engine.outputs.tracked  # blocks come only as "big" finishes
         engine.step()
-        granted = engine.grant_pull_room()
+        granted = engine.handoff_step()
     ((rid, blocks),) = granted
     assert rid == "late" and len(blocks) == 4 and not engine.waits_for_room("late")
     engine.finish_kv_pull("late", ok=True)
@@ -58,9 +62,9 @@ def test_waits_for_blocks_then_pulls_without_recomputing():
 def test_recomputes_when_the_pin_would_lapse_first():
     engine = _engine()
     _fill(engine)
-    soon = time.time() + PULL_MARGIN_S + 60
+    soon = time.time() + MARGIN + 60
     assert engine.add_prefilled_request("late", list(range(101, 161)), PARAMS, 7, pull_deadline=soon) is None
-    assert engine.grant_pull_room(now=soon - PULL_MARGIN_S) == [("late", None)]  # too near: recompute
+    assert engine.handoff_step(now=soon - MARGIN) == [("late", None)]  # too near: recompute
     assert engine.num_kv_recomputes == 1 and not engine.waits_for_room("late")
     while engine.has_unfinished_requests():
         engine.step()
@@ -77,10 +81,27 @@ def test_aborted_while_waiting_takes_no_blocks():
     assert engine.add_prefilled_request("late", list(range(101, 161)), PARAMS, 7, pull_deadline=LATER) is None
     final = engine.abort_request(["late"])[-1]  # (after its first token's output)
     assert final.request_id == "late" and final.finished and final.outputs[0].finish_reason == "abort"
-    assert engine.grant_pull_room() == [("late", None)]
+    assert engine.handoff_step() == [("late", None)]
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_cache_stats().used_blocks == 0 and engine.num_kv_recomputes == 0
+
+
+def test_aborted_while_its_pull_writes_frees_the_blocks_only_when_the_pull_ends():
+    """A transfer may still be writing into a pulling request's blocks: its abort ends the
+    stream at once, but the 7 blocks stay out of the pool (and the id stays taken) until
+    the pull reports back; then they are freed and nothing runs."""
+    engine = _engine()
+    blocks = engine.add_prefilled_request("big", list(range(1, 101)), PARAMS, 7, pull_deadline=LATER)
+    assert len(blocks) == 7
+    final = engine.abort_request(["big"])[-1]
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.kv_cache_stats().used_blocks == 7 and engine.has_unfinished_requests()
+    with pytest.raises(InvalidArgumentError, match="request_id"):
+        engine.add_request("big", [1, 2, 3], PARAMS)
+    engine.finish_kv_pull("big", ok=True)
+    assert engine.kv_cache_stats().used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.step() == [] and engine.num_kv_recomputes == 0
 
 
 def test_first_come_first_served_and_an_abort_behind_the_first_leaves_at_once():
@@ -93,12 +114,12 @@ def test_first_come_first_served_and_an_abort_behind_the_first_leaves_at_once():
     assert engine.add_prefilled_request("third", list(range(1, 21)), PARAMS, 7, pull_deadline=LATER) is None
     assert engine.kv.pool.num_available == 3
     engine.abort_request(["third"])
-    assert engine.grant_pull_room() == [("third", None)]  # gone while "first" still waits
+    assert engine.handoff_step() == [("third", None)]  # gone while "first" still waits
     assert engine.stats().num_waiting == 2 and engine.stats().num_pulling == 2
     granted = []
     while not granted:
         engine.step()
-        granted = engine.grant_pull_room()
+        granted = engine.handoff_step()
     assert [(rid, len(blocks)) for rid, blocks in granted] == [("first", 4), ("second", 2)]
     engine.finish_kv_pull("first", ok=True)
     engine.finish_kv_pull("second", ok=True)
@@ -110,12 +131,12 @@ def test_first_come_first_served_and_an_abort_behind_the_first_leaves_at_once():
 def test_a_pin_too_near_to_lapse_means_recompute_even_once_there_is_room():
     engine = _engine()
     assert len(engine.add_prefilled_request("big", list(range(1, 121)), PARAMS, 7, pull_deadline=LATER)) == 8
-    soon = time.time() + PULL_MARGIN_S + 60
+    soon = time.time() + MARGIN + 60
     assert engine.add_prefilled_request("late", list(range(1, 61)), PARAMS, 7, pull_deadline=soon) is None
     assert engine.stats().num_running == 0 and engine.stats().num_pulling == 2
     engine.finish_kv_pull("big", ok=False)  # its pull failed: recomputed, as before; its blocks free
     assert engine.kv.pool.num_available == 10
-    assert engine.grant_pull_room(now=soon) == [("late", None)]
+    assert engine.handoff_step(now=soon) == [("late", None)]
     assert engine.num_kv_recomputes == 2
     while engine.has_unfinished_requests():
         engine.step()

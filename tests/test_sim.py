@@ -59,9 +59,8 @@ def assert_blocks_all_back(sim: Simulator) -> None:
         for w in workers:
             w.kv.pool.check_integrity()
             assert w.kv.stats().used_blocks == 0, w.worker_id
-            assert not w.scheduler.has_unfinished() and len(w.pulls) == 0
-            if w.handoff is not None:
-                assert len(w.handoff) == 0
+            assert not w.scheduler.has_unfinished() and w.handoff.num_pulling == 0
+            assert w.handoff.num_pinned == 0
 
 
 def test_colocated_timeline_chunks_the_prompt_then_decodes_one_token_per_step():
