@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from kvray.errors import KvrayError
 from kvray.sim.cost_model import StepTimeModel
 from kvray.sim.planner import ratio_for
 from kvray.sim.results import SLO
@@ -37,6 +38,8 @@ def run_study(
     plot_dir: Path | None,
     save: Path | None,
 ) -> dict:
+    if plot_dir is not None:
+        _pyplot()  # before minutes of simulation, not after them
     start = time.monotonic()
     print(f"{cost.model.name} on {num_gpus} x {cost.hardware.name} (TP {cost.tp}), step model: {cost.source}")
     print(f"engine: {engine}\n")
@@ -115,12 +118,20 @@ def _one_workload(name: str, work: Workload, cost, engine, num_gpus: int) -> dic
     }
 
 
-def _plot(plot_dir: Path, name: str, work: Workload, found: dict, cost, engine, num_gpus: int) -> None:
-    import matplotlib
-
+def _pyplot():
+    """matplotlib's pyplot (headless), or a KvrayError saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise KvrayError("--plot needs matplotlib: pip install matplotlib (or kvray[bench])") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plot(plot_dir: Path, name: str, work: Workload, found: dict, cost, engine, num_gpus: int) -> None:
+    plt = _pyplot()
     plot_dir.mkdir(parents=True, exist_ok=True)
     specs = candidates(cost, engine, num_gpus)
     top = max(found["goodput"].values())
