@@ -11,6 +11,7 @@ from kvray.actors.decode_worker import DecodeWorker
 from kvray.actors.prefill_worker import PrefillWorker
 from kvray.actors.worker import EngineWorker, MixedWorker, Role
 from kvray.configs import DeploymentConfig, KVTransferConfig, PoolConfig
+from kvray.engine.config import EngineConfig
 
 WORKER_CLASSES: dict[Role, type[EngineWorker]] = {
     "prefill": PrefillWorker,
@@ -25,7 +26,8 @@ def worker_bundles(engine: dict, pool: PoolConfig) -> list[dict]:
     bundle = {"CPU": pool.num_cpus, **pool.resources}
     if pool.num_gpus:
         bundle["GPU"] = pool.num_gpus
-    world = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+    config = EngineConfig(**engine)
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
     return [bundle] * world
 
 
@@ -70,14 +72,13 @@ def stop_worker(actor, pg) -> None:
 
 def start_pools(config: DeploymentConfig) -> dict[str, tuple[str, object, object]]:
     """Start every configured worker and wait until all are ready: id -> (role, actor, group)."""
-    roles = ["prefill", "decode"] if config.disaggregated else ["mixed"]
     workers = {}
     try:
-        for role in roles:
+        for role in config.roles:
             pool = getattr(config, role)
             for i in range(pool.num_workers):
                 wid = f"{role}-{i}"
-                engine = {**config.engine, **pool.engine}
+                engine = config.pool_engine(role)
                 actor, pg = start_worker(wid, role, engine, pool, config.kv_transfer)
                 workers[wid] = (role, actor, pg)
         ray.get([actor.ready.remote() for _, actor, _ in workers.values()])

@@ -87,9 +87,7 @@ class FrontActorImpl:
 
         self.config = DeploymentConfig(**config)
         self.router = router
-        self.tokenizer = load_tokenizer(
-            resolve_model_path(self.config.engine.get("model", "smollm2-135m-instruct"))
-        )
+        self.tokenizer = load_tokenizer(resolve_model_path(self.config.engine_config().model))
         me = ray.get_runtime_context().current_actor  # the workers watch it: its requests die with it
         self.frontend = Frontend(router, self.config, f"front-{uuid.uuid4().hex[:8]}", handle=me)
 
@@ -126,9 +124,7 @@ class FrontActorImpl:
 
     async def metrics_text(self) -> bytes:
         workers = await self.router.worker_stats.remote()
-        return metrics.render(
-            self.config.engine.get("model", "kvray"), self.frontend.stats.snapshot(), workers
-        )
+        return metrics.render(self.config.engine_config().model, self.frontend.stats.snapshot(), workers)
 
 
 FrontActor = ray.remote(FrontActorImpl)

@@ -1,7 +1,8 @@
 """Deployment configuration: which workers, how KV moves, how the router chooses.
 
 Data only (pydantic models validated at the edges); the engine's own arguments stay a
-plain dict here and are validated by `kvray.engine.EngineConfig` where engines are made.
+plain dict here (what travels to the workers), checked against `kvray.engine.EngineConfig`
+as the config loads.
 """
 
 from __future__ import annotations
@@ -143,3 +144,37 @@ class DeploymentConfig(_Strict):
     mixed: PoolConfig = PoolConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
     router: RouterConfig = RouterConfig()
+
+    @property
+    def roles(self) -> list[str]:
+        """The pools this deployment runs."""
+        return ["prefill", "decode"] if self.disaggregated else ["mixed"]
+
+    def engine_config(self, role: str | None = None):
+        """The kvray.engine.EngineConfig pool `role`'s workers run (None: the deployment's
+        `engine` alone): its defaults are EngineConfig's, stated nowhere else."""
+        from kvray.engine.config import EngineConfig
+
+        return EngineConfig(**(self.engine if role is None else self.pool_engine(role)))
+
+    def pool_engine(self, role: str) -> dict:
+        """The EngineConfig arguments the workers of pool `role` run: the deployment's
+        `engine`, then the pool's own over it (the one place they are merged)."""
+        return {**self.engine, **getattr(self, role).engine}
+
+    @model_validator(mode="after")
+    def _engines(self) -> DeploymentConfig:
+        """Each pool's engine arguments are a valid EngineConfig here, where the config
+        loads, not in a remote worker minutes later (an unknown or bad field names the
+        pool and the field)."""
+        from kvray.engine.config import EngineConfig
+
+        for role in self.roles:
+            try:
+                EngineConfig(**self.pool_engine(role))
+            except TypeError as e:  # an unknown argument
+                field = str(e).rsplit(" ", 1)[-1].strip("'")
+                raise ValueError(f"{role} engine: unknown field {field!r} (EngineConfig's)") from None
+            except ValueError as e:  # InvalidArgumentError: the field and its allowed range
+                raise ValueError(f"{role} engine: {e}") from None
+        return self

@@ -118,8 +118,7 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
         ray_actor_options=actor_options,
     )
     router_app = router.bind(cfg.model_dump())
-    roles = ["prefill", "decode"] if cfg.disaggregated else ["mixed"]
-    pools = [pool_deployment(cfg, role) for role in roles]
+    pools = [pool_deployment(cfg, role) for role in cfg.roles]
     return ingress.bind(cfg.model_dump(), router_app, pools)
 
 
@@ -134,7 +133,7 @@ class OpenAIIngress:
         self.pools = pools  # bound here so Serve runs the pool deployments with the app
         self.router = router  # the control plane: which workers serve a request
         self.limits = await router.model_info.remote()  # RequestLimits: what the engines take
-        self.tokenizer, eos = load_tokenizer(self.config.engine.get("model", "smollm2-135m-instruct"))
+        self.tokenizer, eos = load_tokenizer(self.config.engine_config().model)
         parser = self.config.tool_call_parser
         self.ingest = Ingest(self.tokenizer, self.limits, self.config.model_name, parser, eos)
         # templating, tokenizing and compiling grammars off the event loop: a large body
@@ -246,7 +245,7 @@ class OpenAIIngress:
     async def health(self) -> Response:
         """200 with every pool live; 503 when a pool has no live worker, or when the
         control plane does not answer within CONTROL_CALL_S."""
-        roles = ["prefill", "decode"] if self.config.disaggregated else ["mixed"]
+        roles = self.config.roles
         try:
             pools = await wait_for(self.router.live_workers.remote(), CONTROL_CALL_S)
         except Exception as e:  # noqa: BLE001 (the Router is down or restarting)

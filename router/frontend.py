@@ -75,7 +75,7 @@ class Frontend:
         self.config = config
         self.front_id = front_id
         self.stats = stats or RequestStats()
-        self.block_size = config.engine.get("block_size", 16)
+        self.block_size = config.engine_config().block_size
         self.inboxes: dict[str, Inbox] = {}
         self.num_retries = 0
         # requests now waiting for a worker to join their pool: role -> summed signal -> value

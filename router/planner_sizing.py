@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvray.configs import PlannerConfig
-from kvray.engine.config import DEFAULT_CPU_KV_BYTES
+from kvray.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from kvray.sim.cost_model import HARDWARE, MODELS, StepTimeModel
 from kvray.sim.planner import decode_rate, prefill_rate
 from kvray.sim.worker import SimEngineConfig
@@ -56,19 +56,17 @@ class PlannerSizing:
         self.role = role
         self.cfg = PlannerConfig(**planner)
         self.cost = step_model(self.cfg)
-        block = int(engine.get("block_size", 16))
+        e = EngineConfig(**engine)
         if self.cfg.profile:  # a CPU profile: the engine's KV budget in bytes
-            num_blocks = self.cost.blocks_in(
-                engine.get("kv_cache_memory_bytes") or DEFAULT_CPU_KV_BYTES, block
-            )
+            num_blocks = self.cost.blocks_in(e.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES, e.block_size)
         else:
-            num_blocks = self.cost.kv_cache_blocks(block, float(engine.get("gpu_memory_utilization", 0.9)))
+            num_blocks = self.cost.kv_cache_blocks(e.block_size, e.gpu_memory_utilization)
         self.engine = SimEngineConfig(
             num_blocks=int(num_blocks),
-            block_size=block,
-            max_num_seqs=int(engine.get("max_num_seqs", 64)),
-            max_num_batched_tokens=int(engine.get("max_num_batched_tokens", 512)),
-            max_model_len=int(engine.get("max_model_len") or 2048),
+            block_size=e.block_size,
+            max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+            max_model_len=e.max_model_len or 2048,  # (the model's own: not known here)
         )
         self.totals = totals
         self.clock = clock

@@ -41,7 +41,7 @@ class PoolReplica:
         pool = getattr(cfg, role)
         # unique for the app's life (ids name KV tickets and the pair groups between workers)
         self.worker_id = f"{role}-{serve.get_replica_context().replica_id.unique_id}"
-        engine = {**cfg.engine, **pool.engine}
+        engine = cfg.pool_engine(role)
         pg = ray.util.get_current_placement_group()
         name = f"{cfg.app_name}-{self.worker_id}"
         self.worker = start_worker_in(pg, name, self.worker_id, role, engine, pool, cfg.kv_transfer)
@@ -80,7 +80,7 @@ def pool_deployment(cfg: ServeConfig, role: str) -> serve.Application:
     from kvray.router.autoscaling import autoscaling_config
 
     pool = getattr(cfg, role)
-    engine = {**cfg.engine, **pool.engine}
+    engine = cfg.pool_engine(role)
     options = {
         "name": f"{cfg.app_name}-{role}",
         "placement_group_bundles": worker_bundles(engine, pool),

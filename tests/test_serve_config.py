@@ -55,6 +55,22 @@ def test_bad_config_names_the_field():
         load_config("no-such-preset")
 
 
+def test_engine_arguments_are_checked_as_the_config_loads():
+    """An `engine:` mistake fails here, naming the pool and the field, not in a remote
+    worker once the app has started; a pool's own engine arguments are checked over the
+    deployment's."""
+    with pytest.raises(ValueError, match="prefill engine: unknown field 'modle'"):
+        ServeConfig(engine={"modle": "smollm2-135m-instruct"})
+    with pytest.raises(ValueError, match="decode engine: block_size=0"):
+        ServeConfig(decode={"engine": {"block_size": 0}})
+    with pytest.raises(ValueError, match="mixed engine: dtype='fp7'"):
+        ServeConfig(disaggregated=False, mixed={"engine": {"dtype": "fp7"}})
+    ServeConfig(disaggregated=False, decode={"engine": {"dtype": "fp7"}})  # a pool not run
+    config = ServeConfig(engine={"block_size": 32}, decode={"engine": {"max_num_seqs": 8}})
+    assert config.pool_engine("decode") == {"block_size": 32, "max_num_seqs": 8}
+    assert config.pool_engine("prefill") == {"block_size": 32}
+
+
 def test_gpu_preset_validates_with_tensor_parallel_pools():
     from kvray.engine import EngineConfig
 
