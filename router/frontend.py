@@ -299,7 +299,7 @@ class Frontend:
                 logger.warning("kvray front: the router did not answer (%r); asking again", e)
                 await asyncio.sleep(0.5)
                 continue
-            if chosen is None:  # the Serve Router's way of saying it has no live worker
+            if chosen is None:  # the Router's way of saying the pool has no live worker now
                 raise NoWorkerError(f"no live {role} worker left")
             return chosen
 

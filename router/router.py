@@ -123,15 +123,19 @@ class Router:
 
     # ---- the fronts' calls ----------------------------------------------------------------
 
-    async def route(self, role: str, key: bytes | None = None, exclude: list[str] | tuple = ()) -> tuple:
+    async def route(
+        self, role: str, key: bytes | None = None, exclude: list[str] | tuple = ()
+    ) -> tuple[str, object] | None:
         """(worker id, handle) of the worker of `role` for the next request (`key`: its
-        prefix hash, for prefill and mixed). Raises NoWorkerError when none is live."""
+        prefix hash, for prefill and mixed), or None when the pool has no live worker now:
+        an answer, not an error (a front waiting for a replacement asks again; it alone
+        decides when that becomes NoWorkerError)."""
         pool = self._pool(role, exclude)
         if not pool:  # maybe one joined since the last refresh
             await self.refresh()
             pool = self._pool(role, exclude)
         if not pool:
-            raise NoWorkerError(f"no live {role} worker left")
+            return None
         loads = [w.load for w in pool]
         if role == "decode":
             chosen = choose_decode(loads)

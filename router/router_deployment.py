@@ -14,7 +14,7 @@ from ray import serve
 
 from kvray.actors.messages import WorkerStats
 from kvray.configs import DeploymentConfig, ServeConfig
-from kvray.router.router import NoWorkerError, Router
+from kvray.router.router import Router
 
 MAX_ONGOING_REQUESTS = 10_000  # route calls are short; the ingress replicas admit requests
 FIRST_WORKER_WAIT_S = 1800.0  # an ingress waits this long for the pools' first worker
@@ -52,12 +52,8 @@ class RouterDeployment:
     async def route(
         self, role: str, key: bytes | None = None, exclude: list[str] | tuple = ()
     ) -> tuple | None:
-        """(worker id, handle), or None when the pool has no live worker now (an answer,
-        not an error: a front waiting for a replacement asks every half second)."""
-        try:
-            return await self.router.route(role, key, exclude)
-        except NoWorkerError:
-            return None
+        """(worker id, handle), or None when the pool has no live worker now (Router.route)."""
+        return await self.router.route(role, key, exclude)
 
     async def has_worker(self, worker_id: str) -> bool:
         return worker_id in self.router.workers

@@ -242,7 +242,7 @@ def test_a_request_waits_for_a_worker_to_join_its_pool():
             self.asked = getattr(self, "asked", 0) + 1
             seen.append(dict(front.waiting.get(role, {})))
             if self.asked <= 2:
-                raise NoWorkerError("no live mixed worker")
+                return _ready(None)  # the pool has no live worker now
             return super()._route(role, key, exclude)
 
     front = Frontend(EmptyThenOne([FinishingWorker("mixed-1")]), DeploymentConfig(disaggregated=False), "f")
@@ -270,8 +270,6 @@ def test_a_pd_request_waiting_for_a_decode_worker_counts_the_prompt_tokens_compu
     autoscaling reads."""
     from test_serve_metrics import FakeWorker
 
-    from kvray.router.router import NoWorkerError
-
     seen = []
 
     class NoDecoderAtFirst(FakeRouter):
@@ -280,7 +278,7 @@ def test_a_pd_request_waiting_for_a_decode_worker_counts_the_prompt_tokens_compu
                 self.refused = getattr(self, "refused", 0) + 1
                 seen.append(dict(front.waiting.get(role, {})))
                 if self.refused % 2:  # every request's first ask finds the pool empty
-                    raise NoWorkerError("no live decode worker")
+                    return _ready(None)
             return super()._route(role, key, exclude)
 
     config = DeploymentConfig(disaggregated=True, router={"max_local_prefill_length": 3})
