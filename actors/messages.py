@@ -17,10 +17,6 @@ from kvray.engine.kv_transfer import KVTicket
 from kvray.engine.outputs import Logprob
 from kvray.engine.spec_decode import SpecDecodeStats
 
-# a Delta's info key: the worker's engine can no longer serve (its value: why); the front
-# moves the request to another worker, as when a worker dies
-WORKER_FAILED = "worker_failed"
-
 # seconds; the buckets of the per-pull `kvray:kv_transfer_seconds` histogram (+Inf beyond)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -49,6 +45,28 @@ class PrefillResult:
     cost_usd: float = 0.0  # the prefill worker's price x this request's share of its steps
 
 
+class DeltaInfo(NamedTuple):
+    """What a delta carries besides its tokens, now and then (most carry none)."""
+
+    queue_seconds: float | None = None  # first delta: the engine's queue time
+    num_cached_tokens: int | None = None  # first delta: prompt tokens the prefix cache had
+    cost_usd: float = 0.0  # last delta: the worker's price x the request's share of its steps
+    # the worker's engine can no longer serve (why): the request ends here and the front
+    # moves it to another worker, as when a worker dies
+    worker_failed: str | None = None
+
+    def then(self, later: DeltaInfo | None) -> DeltaInfo:
+        """This delta's info followed by a later one's (joined deltas: each field once)."""
+        if later is None:
+            return self
+        return DeltaInfo(
+            later.queue_seconds if later.queue_seconds is not None else self.queue_seconds,
+            later.num_cached_tokens if later.num_cached_tokens is not None else self.num_cached_tokens,
+            self.cost_usd + later.cost_usd,
+            later.worker_failed or self.worker_failed,
+        )
+
+
 class Delta(NamedTuple):
     """One request's progress in one engine step (a tuple on the wire: compact to pickle)."""
 
@@ -59,9 +77,7 @@ class Delta(NamedTuple):
     # "stop" | "length" | "abort" | "error" (it alone failed, logged there) on its last delta
     finish_reason: str | None
     stop_reason: int | str | None
-    # first delta: {"queue_seconds", "num_cached_tokens"}; last: {"cost_usd"}; one carrying
-    # WORKER_FAILED ends the request here (it moves on); else None
-    info: dict | None = None
+    info: DeltaInfo | None = None  # the first's and the last's (DeltaInfo), else None
 
 
 @dataclass

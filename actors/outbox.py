@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from kvray.actors.messages import WORKER_FAILED, Delta
+from kvray.actors.messages import Delta, DeltaInfo
 from kvray.actors.signals import RecentMean
 from kvray.engine import RequestOutput
 
@@ -84,7 +84,7 @@ class Outbox:
             self.last_token.pop(rid, None)
             if destination is not None and destination in self.pending:
                 self.pending[destination].append(
-                    Delta(rid, [], "", None, None, None, {WORKER_FAILED: str(error)})
+                    Delta(rid, [], "", None, None, None, DeltaInfo(worker_failed=str(error)))
                 )
                 self.wakeup[destination].set()
 
@@ -93,10 +93,10 @@ class Outbox:
         info = None
         if out.prompt_token_ids is not None:  # the request's first output here
             queue = out.metrics.time_in_queue if out.metrics is not None else None
-            info = {"queue_seconds": queue, "num_cached_tokens": out.num_cached_tokens}
+            info = DeltaInfo(queue_seconds=queue, num_cached_tokens=out.num_cached_tokens)
         if c.finish_reason is not None:
             share = out.metrics.step_seconds if out.metrics is not None else 0.0
-            info = {**(info or {}), "cost_usd": self.price_per_second * share}
+            info = (info or DeltaInfo())._replace(cost_usd=self.price_per_second * share)
         return Delta(out.request_id, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason, info)
 
     # ---- the front's side ---------------------------------------------------------------

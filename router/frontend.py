@@ -185,10 +185,10 @@ class Frontend:
 
     def _take(self, out: CompletionOutput, delta: Delta, timer: RequestTimer, handed_off: bool) -> None:
         _grow(out, delta)
-        if delta.info:
+        if delta.info is not None:
             if not handed_off:  # (a hand-off's queue time is the prefill worker's, taken above)
-                timer.on_queue_time(delta.info.get("queue_seconds"))
-            timer.cost_usd += delta.info.get("cost_usd", 0.0)
+                timer.on_queue_time(delta.info.queue_seconds)
+            timer.cost_usd += delta.info.cost_usd
         timer.on_tokens(len(delta.token_ids))
         if delta.finish_reason == "error":
             raise RequestFailedError(

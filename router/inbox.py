@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import ray
 
-from kvray.actors.messages import WORKER_FAILED, Delta
+from kvray.actors.messages import Delta
 from kvray.errors import EngineDeadError
 
 
@@ -74,8 +74,8 @@ class Inbox:
                     box = self.mailboxes.get(delta.request_id)
                     if box is None:
                         continue
-                    if delta.info and WORKER_FAILED in delta.info:  # as if the worker had died
-                        box.put(Gone(self.worker_id, EngineDeadError(delta.info[WORKER_FAILED])))
+                    if delta.info and delta.info.worker_failed:  # as if the worker had died
+                        box.put(Gone(self.worker_id, EngineDeadError(delta.info.worker_failed)))
                     else:
                         box.put(delta)
         except asyncio.CancelledError:
@@ -100,9 +100,9 @@ def join(deltas: list[Delta]) -> Delta:
     logprobs = None
     if first.logprobs is not None:
         logprobs = [entry for d in deltas for entry in d.logprobs or []]
-    info: dict = {}
+    info = None
     for d in deltas:
-        info.update(d.info or {})
+        info = d.info if info is None else info.then(d.info)
     return Delta(
         first.request_id,
         [t for d in deltas for t in d.token_ids],
@@ -110,5 +110,5 @@ def join(deltas: list[Delta]) -> Delta:
         logprobs,
         last.finish_reason,
         last.stop_reason,
-        info or None,
+        info,
     )

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from test_serve_metrics import FakeRouter, _Method, _ready
 
-from kvray.actors.messages import WORKER_FAILED, Delta
+from kvray.actors.messages import Delta, DeltaInfo
 from kvray.configs import DeploymentConfig
 from kvray.engine import SamplingParams
 from kvray.errors import EngineDeadError
@@ -100,7 +100,7 @@ class FailedEngineWorker(DyingWorker):
             rid = self.requests[-1].request_id
             yield _ready([Delta(rid, [11], "a", None, None, None)])
             yield _ready(
-                [Delta(rid, [], "", None, None, None, {WORKER_FAILED: "EngineDeadError: step broke"})]
+                [Delta(rid, [], "", None, None, None, DeltaInfo(worker_failed="EngineDeadError: step broke"))]
             )
             await asyncio.Event().wait()
             yield  # never reached

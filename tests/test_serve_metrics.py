@@ -13,7 +13,7 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvray.actors.messages import TRANSFER_BUCKETS, Delta, PrefillResult, WorkerStats
+from kvray.actors.messages import TRANSFER_BUCKETS, Delta, DeltaInfo, PrefillResult, WorkerStats
 from kvray.configs import DeploymentConfig
 from kvray.engine import RequestOutput, SamplingParams
 from kvray.engine.kv_cache_manager import KVCacheManager
@@ -140,9 +140,10 @@ class FakeWorker:
         return stream()
 
     def _start(self, rid: str):
-        first = {"queue_seconds": self.queue_time, "num_cached_tokens": 0}
+        first = DeltaInfo(queue_seconds=self.queue_time, num_cached_tokens=0)
         self.pending.put_nowait([Delta(rid, [11], "a", None, None, None, first)])
-        self.pending.put_nowait([Delta(rid, [12, 13], "bc", None, "length", None, {"cost_usd": self.cost})])
+        last = DeltaInfo(cost_usd=self.cost)
+        self.pending.put_nowait([Delta(rid, [12, 13], "bc", None, "length", None, last)])
         return _ready(None)
 
     def _prefill(self, req):
