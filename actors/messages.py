@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from kvray.engine import SamplingParams
 from kvray.engine.kv_transfer import KVTicket
-from kvray.engine.outputs import Logprob
+from kvray.engine.outputs import Logprob, TokenLogprobs
 from kvray.engine.spec_decode import SpecDecodeStats
 
 # seconds; the buckets of the per-pull `kvray:kv_transfer_seconds` histogram (+Inf beyond)
@@ -38,7 +38,7 @@ class PrefillResult:
 
     request_id: str
     first_token: int
-    first_logprobs: tuple | None  # (logprob, rank, top) of the first token, when asked
+    first_logprobs: TokenLogprobs | None  # the first token's, when asked
     ticket: KVTicket | None  # None when the blocks could not be pinned
     num_cached_tokens: int
     queue_seconds: float | None = None  # the prefill engine's queue time: the request's

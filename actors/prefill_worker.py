@@ -19,6 +19,7 @@ from kvray.actors.messages import TRANSFER_BUCKETS, EngineRequest, PrefillResult
 from kvray.actors.signals import RecentMean
 from kvray.actors.worker import EngineWorker, Role
 from kvray.engine.kv_transfer import prefill_params
+from kvray.engine.outputs import TokenLogprobs
 from kvray.errors import RequestFailedError
 
 
@@ -62,10 +63,7 @@ class PrefillWorker(EngineWorker):
         first = final.outputs[0]
         first_logprobs = None
         if first.logprobs:
-            entry = first.logprobs[0]
-            lp = entry[first.token_ids[0]]
-            top = [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank)]
-            first_logprobs = (lp.logprob, lp.rank, top[: req.params.logprobs])
+            first_logprobs = TokenLogprobs.of(first.token_ids[0], first.logprobs[0], req.params.logprobs)
         metrics = final.metrics
         return PrefillResult(
             rid,

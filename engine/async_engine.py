@@ -29,7 +29,7 @@ from kvray.engine.engine_commands import Abort, AddPrefilled, AddRequest, Call, 
 from kvray.engine.kv_handoff import PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket
 from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
-from kvray.engine.outputs import RequestOutput
+from kvray.engine.outputs import RequestOutput, TokenLogprobs
 from kvray.engine.request_limits import RequestLimits
 from kvray.engine.sampling_params import SamplingParams
 from kvray.engine.step_trace import StepTrace
@@ -177,7 +177,7 @@ class AsyncLLM:
         prompt: PromptInput,
         sampling_params: SamplingParams,
         first_token: int,
-        first_logprobs=None,
+        first_logprobs: TokenLogprobs | None = None,
         sink: OutputSink | None = None,
         pull_deadline: float | None = None,
     ) -> tuple[OutputStream | None, asyncio.Future]:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from kvray.engine.outputs import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class AddRequest:
@@ -38,7 +40,7 @@ class AddPrefilled:
     prompt: object
     params: object
     first_token: int
-    first_logprobs: object
+    first_logprobs: TokenLogprobs | None
     matchers: list | None
     pull_deadline: float | None
     accepted: Future

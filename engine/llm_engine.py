@@ -22,7 +22,7 @@ from kvray.engine.kv_handoff import KVHandoff, PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket, kv_layout_of
 from kvray.engine.model_runner import build_runner, resolve_max_model_len
 from kvray.engine.output_processor import OutputProcessor
-from kvray.engine.outputs import RequestOutput
+from kvray.engine.outputs import RequestOutput, TokenLogprobs
 from kvray.engine.request import Request, RequestStatus
 from kvray.engine.request_intake import PromptInput, RequestIntake
 from kvray.engine.request_limits import RequestLimits
@@ -366,7 +366,7 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams,
         first_token: int,
-        first_logprobs=None,
+        first_logprobs: TokenLogprobs | None = None,
         priority: int = 0,
         pull_deadline: float | None = None,
         matchers: list | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvray.engine.detokenizer import IncrementalDetokenizer
-from kvray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvray.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from kvray.engine.request import Request
 from kvray.engine.sampling_params import RequestOutputKind
 
@@ -66,17 +66,14 @@ class OutputProcessor:
         for s in samples:
             self.sample_to_parent[s.request_id] = request_id
 
-    def on_token(self, sample: Request, logprobs) -> str | None:
+    def on_token(self, sample: Request, logprobs: TokenLogprobs | None) -> str | None:
         """Feed the sample's newest token; returns a stop string if one completed."""
         t = self.tracked[self.sample_to_parent[sample.request_id]]
         i = sample.sample_index
         token = sample.output_token_ids[-1]
         if logprobs is not None:
-            lp, rank, top = logprobs
-            entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(top)}
-            entry.setdefault(token, Logprob(lp, rank))
-            t.logprobs[i].append(entry)
-            sample.cumulative_logprob += lp
+            t.logprobs[i].append(logprobs.entry(token))
+            sample.cumulative_logprob += logprobs.logprob
         if self.tokenizer is None:
             return None
         return t.detoks[i].add_token(token)

@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort", "error"]  # error: it alone failed (logged)
+
+
+class TokenLogprobs(NamedTuple):
+    """One sampled token's logprobs as the sampler makes them, and as they travel (a
+    prefill worker's first token to its decode worker); a RequestOutput shows them as
+    vLLM's {token id: Logprob} entry (`entry`)."""
+
+    logprob: float  # the sampled token's
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob), best first
+
+    def entry(self, token: int) -> dict[int, Logprob]:
+        found = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(self.top)}
+        found.setdefault(token, Logprob(self.logprob, self.rank))
+        return found
+
+    @classmethod
+    def of(cls, token: int, entry: dict[int, Logprob], k: int) -> TokenLogprobs:
+        """Back from an output's entry for `token`, its top `k` (rank order)."""
+        top = [(t, e.logprob) for t, e in sorted(entry.items(), key=lambda kv: kv[1].rank)]
+        return cls(entry[token].logprob, entry[token].rank, top[:k])
 
 
 @dataclass

@@ -32,7 +32,7 @@ class VerifiedTokens:
     """Per request: the drafts it kept, then one token of the target's own."""
 
     token_ids: list[list[int]]
-    logprobs: list[list]  # per token: (logprob, rank, top) or None, as SamplerOutput.logprobs
+    logprobs: list[list]  # per token: its TokenLogprobs or None, as SamplerOutput.logprobs
 
 
 def verify(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvray.engine.outputs import TokenLogprobs
 from kvray.engine.sampling_params import SamplingParams, sample_seed
 from kvray.engine.structured_outputs import apply_token_bitmask
 from kvray.kernels import cpu_native
@@ -254,8 +255,8 @@ class Sampler:
 
     @staticmethod
     def logprobs(raw: torch.Tensor, tokens: list[int], params) -> list:
-        """Per row: (logprob of its token, rank, top-k list) from the raw logits, or None
-        where the request asked for no logprobs."""
+        """Per row: its token's TokenLogprobs from the raw logits, or None where the
+        request asked for no logprobs."""
         wanted = [p.logprobs for p in params]
         if all(k is None for k in wanted):
             return [None] * len(tokens)
@@ -270,7 +271,7 @@ class Sampler:
             lp = logprobs[i, tokens[i]]
             rank = int((logprobs[i] > lp).sum()) + 1
             top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist()))
-            out.append((float(lp), rank, top))
+            out.append(TokenLogprobs(float(lp), rank, top))
         return out
 
 
