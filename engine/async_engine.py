@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
-from typing import Protocol
 
 import torch
 
@@ -29,6 +28,7 @@ from kvray.engine.engine_commands import Abort, AddPrefilled, AddRequest, Call, 
 from kvray.engine.kv_handoff import PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket
 from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+from kvray.engine.output_stream import OutputSink, OutputStream
 from kvray.engine.outputs import RequestOutput, TokenLogprobs
 from kvray.engine.request_limits import RequestLimits
 from kvray.engine.sampling_params import SamplingParams
@@ -36,47 +36,6 @@ from kvray.engine.step_trace import StepTrace
 from kvray.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-
-
-class OutputSink(Protocol):
-    """Where the outputs of a caller's requests go: `put_many` and `fail` are called on the
-    caller's `loop` (scheduled from the engine thread), once per step with all of them."""
-
-    loop: asyncio.AbstractEventLoop
-
-    def put_many(self, outputs: list[RequestOutput]) -> None: ...
-
-    def fail(self, request_ids: list[str], error: BaseException) -> None: ...
-
-
-class OutputStream:
-    """One request's outputs, fed from the loop thread; iterate it with `async for`."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.finished = False
-        self.loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-
-    def put_many(self, outputs: list[RequestOutput]) -> None:  # on self.loop
-        for out in outputs:
-            self._queue.put_nowait(out)
-
-    def fail(self, request_ids: list[str], error: BaseException) -> None:  # on self.loop
-        self._queue.put_nowait(error)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
 
 
 class AsyncLLM:
