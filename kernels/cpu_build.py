@@ -38,6 +38,14 @@ SOURCES = [
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_decode.h", "cpu_share.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# KVRAY_NATIVE_CHECKS=1 (read once, as the library loads): a checked build, its own file,
+# that stops the process naming any block id or slot outside the cache before a kernel
+# touches it (kernels/cpu_decode.h); the test suite runs on it
+CHECK_FLAGS = ["-DKVRAY_CHECKS"]
+
+
+def _flags() -> list[str]:
+    return FLAGS + (CHECK_FLAGS if os.environ.get("KVRAY_NATIVE_CHECKS", "0") == "1" else [])
 
 
 @functools.cache
@@ -65,7 +73,7 @@ def _target(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
         b"\0".join(
-            [source, " ".join(FLAGS).encode(), version.encode(), " ".join(sorted(cpu_flags())).encode()]
+            [source, " ".join(_flags()).encode(), version.encode(), " ".join(sorted(cpu_flags())).encode()]
         )
     )
     return _cache_dir() / f"kvray_cpu_{key.hexdigest()[:16]}.so"
@@ -97,7 +105,7 @@ def _load(path: Path) -> ctypes.CDLL:
 
 def _compile(compiler: str, out: Path) -> None:
     result = subprocess.run(
-        [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
+        [compiler, *_flags(), *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True
     )
     if result.returncode != 0:
         raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -149,8 +157,9 @@ def library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"kvray_linear_{weights}_{suffix}")
             fn.restype, fn.argtypes = None, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
     # q, its stride, out, its stride, k and v caches, block tables, their stride, seq_lens,
-    # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, threads
-    decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i32]
+    # rows, then num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+    # window, threads
+    decode_args = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, *[i32] * 6, f32, i32, i32]
     decoders = ("f32", "i8", "bf16", "i8_bf16")
     for fn in (getattr(lib, f"kvray_paged_decode_{name}") for name in decoders):
         fn.restype, fn.argtypes = None, decode_args

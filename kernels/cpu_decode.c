@@ -38,6 +38,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -462,10 +463,11 @@ void kvray_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
                             const float *k_cache, const float *v_cache, const int32_t *block_tables,
                             int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
                             int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
-                            int32_t block_size, float scale, int32_t window, int32_t num_threads) {
+                            int32_t block_size, int32_t num_blocks, float scale, int32_t window,
+                            int32_t num_threads) {
     const int64_t row = (int64_t)head_dim * sizeof(float), token = num_kv_heads * row;
     const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
-                         num_kv_heads, head_dim, block_size, scale};
+                         num_kv_heads, head_dim, block_size, scale, num_blocks};
     paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
                  num_q_heads, window, num_threads, F32, 0);
 }
@@ -475,10 +477,10 @@ static void paged_decode_i8(const void *q, int64_t q_stride, void *out, int64_t 
                             const signed char *k_cache, const signed char *v_cache, const int32_t *block_tables,
                             int64_t table_stride, const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs,
                             int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                            float scale, int32_t window, int32_t num_threads, int bf16_io) {
+                            int32_t num_blocks, float scale, int32_t window, int32_t num_threads, int bf16_io) {
     const int64_t row = head_dim + (int64_t)sizeof(float), token = num_kv_heads * row;
     const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
-                         num_kv_heads, head_dim, block_size, scale};
+                         num_kv_heads, head_dim, block_size, scale, num_blocks};
     paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
                  num_q_heads, window, num_threads, INT8, bf16_io);
 }
@@ -487,9 +489,11 @@ void kvray_paged_decode_i8(const float *q, int64_t q_stride, float *out, int64_t
                            const signed char *k_cache, const signed char *v_cache, const int32_t *block_tables,
                            int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
                            int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
-                           int32_t block_size, float scale, int32_t window, int32_t num_threads) {
+                           int32_t block_size, int32_t num_blocks, float scale, int32_t window,
+                           int32_t num_threads) {
     paged_decode_i8(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, rows,
-                    num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads, 0);
+                    num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window,
+                    num_threads, 0);
 }
 
 /* an 8-bit cache under a bf16 model: q and out bf16 (q widened once per item, out rounded once) */
@@ -497,9 +501,11 @@ void kvray_paged_decode_i8_bf16(const bf16 *q, int64_t q_stride, bf16 *out, int6
                                 const signed char *k_cache, const signed char *v_cache, const int32_t *block_tables,
                                 int64_t table_stride, const int32_t *seq_lens, const int64_t *rows,
                                 int32_t num_seqs, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
-                                int32_t block_size, float scale, int32_t window, int32_t num_threads) {
+                                int32_t block_size, int32_t num_blocks, float scale, int32_t window,
+                                int32_t num_threads) {
     paged_decode_i8(q, q_stride, out, out_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, rows,
-                    num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, window, num_threads, 1);
+                    num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window,
+                    num_threads, 1);
 }
 
 /* out row r = values * inv, as floats, or rounded to bf16 where q and out are bf16 */
@@ -517,11 +523,11 @@ static void write_out(void *out, int64_t r, const float *values, float inv, int6
 void kvray_paged_decode_bf16(const bf16 *q, int64_t q_stride, bf16 *out, int64_t out_stride, const bf16 *k_cache,
                              const bf16 *v_cache, const int32_t *block_tables, int64_t table_stride,
                              const int32_t *seq_lens, const int64_t *rows, int32_t num_seqs, int32_t num_q_heads,
-                             int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
-                             int32_t window, int32_t num_threads) {
+                             int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int32_t num_blocks,
+                             float scale, int32_t window, int32_t num_threads) {
     const int64_t row = (int64_t)head_dim * sizeof(bf16), token = num_kv_heads * row;
     const Cache cache = {(const char *)k_cache, (const char *)v_cache, token, block_size * token, row,
-                         num_kv_heads, head_dim, block_size, scale};
+                         num_kv_heads, head_dim, block_size, scale, num_blocks};
     paged_decode(q, q_stride, out, out_stride, cache, block_tables, table_stride, seq_lens, rows, num_seqs,
                  num_q_heads, window, num_threads, BF16, 1);
 }
@@ -644,6 +650,7 @@ static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                          const int64_t *rows, int32_t num_seqs, int32_t num_q_heads, int32_t window,
                          int32_t num_threads, int quant, int bf16_io) {
+    kvray_check_tables(&cache, block_tables, table_stride, seq_lens, num_seqs);
     DecodePlan plan = kvray_decode_plan(seq_lens, num_seqs, num_q_heads, cache.num_kv_heads, cache.head_dim,
                                         cache.block_size, window, num_threads);
 #pragma omp parallel num_threads(num_threads)
@@ -659,4 +666,42 @@ static void paged_decode(const void *q, int64_t q_stride, void *out, int64_t out
         kvray_decode_scratch_free(&scratch);
     }
     kvray_decode_plan_free(&plan);
+}
+
+void kvray_check_tables(const Cache *c, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                        int32_t num_seqs) {
+#ifdef KVRAY_CHECKS
+    for (int32_t s = 0; s < num_seqs; s++) {
+        const int32_t used = (seq_lens[s] + c->block_size - 1) / c->block_size;
+        if (seq_lens[s] < 0 || used > table_stride) {
+            fprintf(stderr, "kvray native check: sequence %d: length %d needs %d blocks, its table holds %lld\n", s,
+                    seq_lens[s], used, (long long)table_stride);
+            abort();
+        }
+        for (int32_t j = 0; j < used; j++) {
+            const int32_t id = block_tables[s * table_stride + j];
+            if (id < 0 || id >= c->num_blocks) {
+                fprintf(stderr, "kvray native check: sequence %d, block %d: id %d outside the cache's [0, %d)\n", s,
+                        j, id, c->num_blocks);
+                abort();
+            }
+        }
+    }
+#else
+    (void)c, (void)block_tables, (void)table_stride, (void)seq_lens, (void)num_seqs;
+#endif
+}
+
+void kvray_check_slots(const Cache *c, const int64_t *slots, int64_t rows) {
+#ifdef KVRAY_CHECKS
+    const int64_t most = (int64_t)c->num_blocks * c->block_size;
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= most) {
+            fprintf(stderr, "kvray native check: row %lld: slot %lld outside the cache's [0, %lld)\n", (long long)r,
+                    (long long)slots[r], (long long)most);
+            abort();
+        }
+#else
+    (void)c, (void)slots, (void)rows;
+#endif
 }

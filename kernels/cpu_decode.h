@@ -14,7 +14,15 @@ typedef struct {
     int64_t token_stride, block_stride, head_stride;
     int32_t num_kv_heads, head_dim, block_size;
     float scale;
+    int32_t num_blocks; /* the cache's blocks: what a checked build (KVRAY_CHECKS) bounds ids by */
 } Cache;
+
+/* A checked build (-DKVRAY_CHECKS, KVRAY_NATIVE_CHECKS=1) stops the process with a message
+ * naming the sequence, the position and the id where a step's block table or slot lies
+ * outside the cache, before anything is read or written; a normal build checks nothing. */
+void kvray_check_tables(const Cache *c, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                        int32_t num_seqs);
+void kvray_check_slots(const Cache *c, const int64_t *slots, int64_t rows);
 
 typedef struct {
     int32_t seq;

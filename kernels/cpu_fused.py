@@ -34,7 +34,7 @@ class DecodeShape(ctypes.Structure):
             "hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate", "block_size", "kv_int8",
         )
     ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("weight_codes", ctypes.c_int32),
-         ("embed_codes", ctypes.c_int32)]  # fmt: skip
+         ("embed_codes", ctypes.c_int32), ("num_blocks", ctypes.c_int32)]  # fmt: skip
 
 
 class Head(ctypes.Structure):

@@ -55,6 +55,7 @@ typedef struct {
     int32_t weight_codes; /* the four linears' panels: 0 the dtype, 1 int8 codes (cpu_linear_q8.c), 2 grouped
                            * codes (cpu_linear_qg.c); the head: Head's */
     int32_t embed_codes;  /* decode_step's embedding: grouped codes' panels (its rows gathered), else rows */
+    int32_t num_blocks;   /* each cache's blocks (a checked build bounds block ids and slots by it) */
 } DecodeShape;
 
 /* The model's final norm and LM head, where a step ends in its logits (kvray_decode_step_*) */
@@ -344,6 +345,9 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     const int64_t size = bf16_io ? 2 : 4, d = sh->head_dim, hidden = sh->hidden, inter = sh->intermediate;
     const int64_t q_width = sh->num_q_heads * d, kv_width = sh->num_kv_heads * d, qkv_width = q_width + 2 * kv_width;
     const int64_t qk_width = q_width + kv_width;
+    const Cache bounds = {.block_size = sh->block_size, .num_blocks = sh->num_blocks};
+    kvray_check_tables(&bounds, block_tables, table_stride, seq_lens, num_seqs);
+    kvray_check_slots(&bounds, slots, rows);
     /* the attention's work items depend on the window only: a plan per distinct window */
     DecodePlan *plans = kvray_malloc(sizeof(DecodePlan) * num_layers);
     int32_t *plan_of = kvray_malloc(sizeof(int32_t) * num_layers), num_plans = 0;
@@ -430,7 +434,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
             Share *s = shares + PHASES * i;
             const DecodePlan *plan = &plans[plan_of[i]];
             const Cache cache = {(const char *)l->k_cache, (const char *)l->v_cache, token, sh->block_size * token, row,
-                                 sh->num_kv_heads, sh->head_dim, sh->block_size, sh->scale};
+                                 sh->num_kv_heads, sh->head_dim, sh->block_size, sh->scale, sh->num_blocks};
             /* h = RMSNorm(x_in), x_in = the last layer's r + z */
             const NormPhase norm_in = {bf16_io, i ? bufs[i - 1].r : x, i ? bufs[i - 1].z : 0, b->x_in, b->h,
                                        l->input_norm, hidden, sh->eps, {b->h_q, l->qkv, rows}};

@@ -139,7 +139,7 @@ def paged_decode(
 
 def _decode(kernel, q, out, k_cache, v_cache, block_tables, seq_lens, rows, scale, sliding_window) -> None:
     """One call of a kvray_paged_decode_* kernel (the signature cpu_build declares)."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     kernel(
         q.data_ptr(),
         q.stride(0),
@@ -156,6 +156,7 @@ def _decode(kernel, q, out, k_cache, v_cache, block_tables, seq_lens, rows, scal
         num_kv_heads,
         head_dim,
         block_size,
+        num_blocks,
         scale,
         sliding_window or 0,
         torch.get_num_threads(),

@@ -51,6 +51,7 @@ class NativeDecode:
             head_dim=attn.head_dim,
             intermediate=len(first.mlp.down_proj.in_cols),
             block_size=kv_caches[0].k.shape[1],
+            num_blocks=kv_caches[0].k.shape[0],
             kv_int8=kv_caches[0].k_scale is not None,
             eps=first.input_layernorm.eps,
             scale=attn.scale,

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from pd_cluster import local_ray, offline, offline_llm  # noqa: F401 (the disaggregated tests' fixtures)
-from serve_fixtures import apps, client, colo_server, http, server  # noqa: F401 (the Serve apps' fixtures)
+# every native kernel call of the suite (here and in the Ray workers it starts) bounds-checks
+# its block ids and slots first: the checked build (kernels/cpu_build.py CHECK_FLAGS)
+os.environ.setdefault("KVRAY_NATIVE_CHECKS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from pd_cluster import local_ray, offline, offline_llm  # noqa: F401,E402 (the disaggregated tests' fixtures)
+from serve_fixtures import apps, client, colo_server, http, server  # noqa: F401,E402 (the Serve apps' fixtures)
 
 if not torch.cuda.is_available():  # Triton kernels run interpreted on CPUs
     os.environ.setdefault("TRITON_INTERPRET", "1")
