@@ -57,14 +57,15 @@ def _total(samples: dict, name: str, **labels) -> float:
 
 
 def _worker_ids(app: str = "kvray") -> dict[str, str]:
-    """role -> the one worker id of that pool (pool replicas name their workers)."""
-    pools = serve.get_deployment_handle(f"{app}-router", app).live_workers.remote().result()
+    """role -> the one worker id of that pool (the Router's live workers; bounded, so a
+    Serve handle that never answers fails the test instead of hanging the suite)."""
+    pools = serve.get_deployment_handle(f"{app}-router", app).live_workers.remote().result(timeout_s=60)
     return {role: ids[0] for role, ids in pools.items()}
 
 
 def _worker_stats(app: str = "kvray"):
     workers = [ray.get_actor(f"{app}-{wid}") for wid in _worker_ids(app).values()]
-    return ray.get([w.stats.remote() for w in workers])
+    return ray.get([w.stats.remote() for w in workers], timeout=60)
 
 
 def _wait_clean(timeout: float = 30.0, app: str = "kvray"):
