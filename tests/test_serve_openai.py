@@ -21,7 +21,6 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from ray import serve  # noqa: E402
 from serve_fixtures import API_KEY, MAX_QUEUED, MODEL  # noqa: E402
 
 from kvray.engine import LLM, SamplingParams  # noqa: E402
@@ -56,15 +55,25 @@ def _total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
+def _workers(app: str = "kvray") -> dict[str, tuple[str, str]]:
+    """role -> (name, namespace) of the one worker actor of that pool (pool replicas name
+    their workers `<app>-<role>-<replica>`): read from Ray itself, not through a Serve
+    handle in this driver (one there once never answered and held a whole CI run)."""
+    found = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        for role in ("prefill", "decode", "mixed"):
+            if actor["name"].startswith(f"{app}-{role}-"):
+                found[role] = (actor["name"], actor["namespace"])
+    return found
+
+
 def _worker_ids(app: str = "kvray") -> dict[str, str]:
-    """role -> the one worker id of that pool (the Router's live workers; bounded, so a
-    Serve handle that never answers fails the test instead of hanging the suite)."""
-    pools = serve.get_deployment_handle(f"{app}-router", app).live_workers.remote().result(timeout_s=60)
-    return {role: ids[0] for role, ids in pools.items()}
+    """role -> the one worker id of that pool."""
+    return {role: name[len(app) + 1 :] for role, (name, _) in _workers(app).items()}
 
 
 def _worker_stats(app: str = "kvray"):
-    workers = [ray.get_actor(f"{app}-{wid}") for wid in _worker_ids(app).values()]
+    workers = [ray.get_actor(name, namespace=ns) for name, ns in _workers(app).values()]
     return ray.get([w.stats.remote() for w in workers], timeout=60)
 
 
