@@ -40,8 +40,11 @@ test-ray-up: install
 
 # Gemma 3 270M and the Qwen2.5-Coder models against transformers (offline, bf16, tp=2, PD),
 # and the 0.5B drafting for the 1.5B (1.9 GB of GGUF to fetch once, 6.2 GB in fp32)
+# (the pair in a pytest process of its own: the models before it leave GBs in the parent,
+# and the pair's engines take up to 21 GB)
 test-models: install
-	$(PY) -m pytest -q -m real_model tests/test_models_real.py tests/test_models_pair.py
+	$(PY) -m pytest -q -m real_model tests/test_models_real.py
+	$(PY) -m pytest -q -m real_model tests/test_models_pair.py
 
 generate: install
 	$(VENV)/bin/kvray generate
