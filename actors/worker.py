@@ -74,7 +74,7 @@ class EngineWorker:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.kv_config = KVTransferConfig(**(kv_config or {}))
-        # the hand-off's timing rules, the engine's and this worker's alike
+        # the hand-off's timing rules this worker applies (lease, hold, the pin's end)
         self.lease = LeasePolicy(self.kv_config.lease_seconds, self.kv_config.pull_timeout_seconds)
         config = EngineConfig(**engine_config)
         self.host = node_ip()

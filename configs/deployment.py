@@ -167,14 +167,18 @@ class DeploymentConfig(_Strict):
         """Each pool's engine arguments are a valid EngineConfig here, where the config
         loads, not in a remote worker minutes later (an unknown or bad field names the
         pool and the field)."""
+        import dataclasses
+
         from kvray.engine.config import EngineConfig
 
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
         for role in self.roles:
+            engine = self.pool_engine(role)
+            unknown = sorted(engine.keys() - known)
+            if unknown:
+                raise ValueError(f"{role} engine: unknown field {unknown[0]!r} (EngineConfig's)")
             try:
-                EngineConfig(**self.pool_engine(role))
-            except TypeError as e:  # an unknown argument
-                field = str(e).rsplit(" ", 1)[-1].strip("'")
-                raise ValueError(f"{role} engine: unknown field {field!r} (EngineConfig's)") from None
+                EngineConfig(**engine)
             except ValueError as e:  # InvalidArgumentError: the field and its allowed range
                 raise ValueError(f"{role} engine: {e}") from None
         return self

@@ -440,11 +440,10 @@ class AsyncLLM:
 
     def _grant_rooms(self, rooms: list[tuple[str, list[int] | None]]) -> None:
         """Blocks freed since the last step go to the prefilled requests waiting to pull."""
-        if rooms:
-            for rid, blocks in rooms:
-                room = self._rooms.pop(rid, None)
-                if room is not None:  # (None: the engine failed meanwhile, its waiters released)
-                    self._give_room(rid, room, blocks)
+        for rid, blocks in rooms:
+            room = self._rooms.pop(rid, None)
+            if room is not None:  # (None: the engine failed meanwhile, its waiters released)
+                self._give_room(rid, room, blocks)
 
     def _give_room(self, rid: str, room: Future, blocks: list[int] | None) -> None:
         if not _settle(room, blocks) and blocks is not None:  # nobody left to pull into them

@@ -134,11 +134,10 @@ class PinTable:
 class HandoffStep:
     """What `on_step` decided: (request id, blocks to pull into) for requests whose wait
     for room ended, with None for one that will not pull (aborted meanwhile, or sent to
-    recompute); the requests to queue for recompute; the pins released."""
+    recompute); the requests to queue for recompute."""
 
     rooms: list[tuple[str, list[int] | None]] = field(default_factory=list)
     recompute: list[Request] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)
 
 
 class KVHandoff:
@@ -252,9 +251,10 @@ class KVHandoff:
 
     # ---- between steps ------------------------------------------------------------------
 
-    def expire(self, now: float) -> list[str]:
+    def expire(self, now: float) -> None:
         """Release the pins whose lease ended, or that were let go while being read."""
-        return [rid for rid in self.pins.expired(now) if self.release(rid)]
+        for rid in self.pins.expired(now):
+            self.release(rid)
 
     def on_step(self, now: float, may_allocate: bool = True) -> HandoffStep:
         """Release the pins whose lease ended (or that were let go while read), then give
@@ -262,7 +262,8 @@ class KVHandoff:
         while `may_allocate`; none for one aborted meanwhile or whose pin is about to lapse
         (that one is also returned to recompute). The first that does not fit stops the
         allocating (those behind it wait on), not the leaving."""
-        step = HandoffStep(released=self.expire(now))
+        self.expire(now)
+        step = HandoffStep()
         for rid, (req, pin_end) in list(self.waiting.items()):
             blocks = None
             if req.finished or not self.policy.may_wait(pin_end, now):

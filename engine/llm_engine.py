@@ -192,8 +192,8 @@ class LLMEngine:
         text, ids = self.intake.tokenize(prompt)
         self.intake.validate(ids + list(generated), params)
         sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys() | self.pins.pins.keys()
-        if request_id in busy or any(i in busy for i in sample_ids) or request_id in self.handoff:
+        busy = self.outputs.tracked.keys() | self.outputs.sample_to_parent.keys()
+        if any(i in busy or i in self.handoff for i in (request_id, *sample_ids)):
             raise InvalidArgumentError("request_id", request_id, "an id not in flight or pinned")
         replayed = list(generated if made_elsewhere is None else made_elsewhere)
         samples = self.intake.samples(sample_ids, text, ids, params, priority, deadline, replayed, matchers)
@@ -411,9 +411,11 @@ class LLMEngine:
     def finish_kv_pull(self, request_id: str, ok: bool) -> None:
         """The pull into the reserved blocks finished (ok) or failed (recompute here)."""
         req = self.handoff.finish_pull(request_id, ok)
-        if req is not None and ok:
+        if req is None:  # unknown, or aborted during the pull (its blocks freed now)
+            return
+        if ok:
             self.scheduler.add_running(req)
-        elif req is not None:
+        else:
             self.scheduler.add_request(req)
 
     @property
