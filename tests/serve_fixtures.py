@@ -10,7 +10,10 @@ these fixtures."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import ray
 
 from kvray.cluster.ports import free_port
 
@@ -78,3 +81,38 @@ def http(server):
     httpx = pytest.importorskip("httpx2")
     with httpx.Client(base_url=server, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
+
+
+def workers_of(app: str = "kvray") -> dict[str, tuple[str, str]]:
+    """role -> (name, namespace) of the one worker actor of that pool (pool replicas name
+    their workers `<app>-<role>-<replica>`): read from Ray itself, not through a Serve
+    handle in this driver (one there once never answered and held a whole CI run)."""
+    found = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        for role in ("prefill", "decode", "mixed"):
+            if actor["name"].startswith(f"{app}-{role}-"):
+                found[role] = (actor["name"], actor["namespace"])
+    return found
+
+
+def worker_ids(app: str = "kvray") -> dict[str, str]:
+    """role -> the one worker id of that pool."""
+    return {role: name[len(app) + 1 :] for role, (name, _) in workers_of(app).items()}
+
+
+def worker_stats(app: str = "kvray"):
+    workers = [ray.get_actor(name, namespace=ns) for name, ns in workers_of(app).values()]
+    return ray.get([w.stats.remote() for w in workers], timeout=60)
+
+
+def wait_clean(timeout: float = 30.0, app: str = "kvray"):
+    """Until every worker of `app` runs nothing and holds no block or pin (its stats)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = worker_stats(app)
+        if all(s.used_blocks == 0 and s.pinned == 0 and s.num_running == 0 for s in stats):
+            return stats
+        assert time.monotonic() < deadline, [
+            (s.worker_id, s.num_running, s.used_blocks, s.pinned) for s in stats
+        ]
+        time.sleep(0.2)

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from serve_fixtures import API_KEY, MAX_QUEUED, MODEL  # noqa: E402
+from serve_fixtures import API_KEY, MAX_QUEUED, MODEL, wait_clean, worker_ids, worker_stats  # noqa: E402
 
 from kvray.engine import LLM, SamplingParams  # noqa: E402
 
@@ -53,40 +53,6 @@ def _metrics(http) -> dict:
 def _total(samples: dict, name: str, **labels) -> float:
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
-
-
-def _workers(app: str = "kvray") -> dict[str, tuple[str, str]]:
-    """role -> (name, namespace) of the one worker actor of that pool (pool replicas name
-    their workers `<app>-<role>-<replica>`): read from Ray itself, not through a Serve
-    handle in this driver (one there once never answered and held a whole CI run)."""
-    found = {}
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        for role in ("prefill", "decode", "mixed"):
-            if actor["name"].startswith(f"{app}-{role}-"):
-                found[role] = (actor["name"], actor["namespace"])
-    return found
-
-
-def _worker_ids(app: str = "kvray") -> dict[str, str]:
-    """role -> the one worker id of that pool."""
-    return {role: name[len(app) + 1 :] for role, (name, _) in _workers(app).items()}
-
-
-def _worker_stats(app: str = "kvray"):
-    workers = [ray.get_actor(name, namespace=ns) for name, ns in _workers(app).values()]
-    return ray.get([w.stats.remote() for w in workers], timeout=60)
-
-
-def _wait_clean(timeout: float = 30.0, app: str = "kvray"):
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = _worker_stats(app)
-        if all(s.used_blocks == 0 and s.pinned == 0 and s.num_running == 0 for s in stats):
-            return stats
-        assert time.monotonic() < deadline, [
-            (s.worker_id, s.num_running, s.used_blocks, s.pinned) for s in stats
-        ]
-        time.sleep(0.2)
 
 
 def test_completions_match_offline_streamed_and_not(client, offline):
@@ -251,7 +217,7 @@ def test_sixteen_concurrent_streams_complete(server, offline):
 
     texts = asyncio.run(run())
     assert texts == [offline["completions"][i % 3].text for i in range(16)]
-    _wait_clean()
+    wait_clean()
 
 
 def _open_stream(server: str, max_tokens: int = 400):
@@ -281,12 +247,12 @@ def test_full_queue_503_and_disconnects_free_every_block(server, http):
         assert err["code"] == "queue_full" and r.headers["retry-after"] == "1"
         tokenize = http.post("/tokenize", json={"model": MODEL, "prompt": "Hi"})  # admitted as well
         assert _error(tokenize, 503)["code"] == "queue_full"
-        assert any(s.used_blocks > 0 for s in _worker_stats())
+        assert any(s.used_blocks > 0 for s in worker_stats())
     finally:
         for c, r, _ in opened:  # clients leave mid-stream
             r.close()
             c.close()
-    stats = _wait_clean()
+    stats = wait_clean()
     assert all(s.num_waiting == 0 for s in stats)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200
@@ -300,12 +266,12 @@ def test_direct_ingress_answers_and_a_client_leaving_mid_stream_frees_its_blocks
         assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
     opened = [_open_stream(colo_server) for _ in range(3)]
     try:
-        assert any(s.num_running > 0 and s.used_blocks > 0 for s in _worker_stats("colo"))
+        assert any(s.num_running > 0 and s.used_blocks > 0 for s in worker_stats("colo"))
     finally:
         for c, r, _ in opened:
             r.close()
             c.close()
-    _wait_clean(app="colo")
+    wait_clean(app="colo")
 
 
 def test_metrics_count_what_was_sent(http):
@@ -328,7 +294,7 @@ def test_metrics_count_what_was_sent(http):
     assert delta("kvray:time_to_first_token_seconds_count") == len(PROMPTS)
     assert delta("kvray:inter_token_latency_seconds_count") == 4 * len(PROMPTS)
     assert delta("kvray:e2e_request_latency_seconds_count") == len(PROMPTS)
-    decode = _worker_ids()["decode"]
+    decode = worker_ids()["decode"]
     assert delta("kvray:kv_transfer_seconds_count", role="decode", worker=decode) == len(PROMPTS)
     assert delta("kvray:kv_transfer_seconds_sum", role="decode") > 0
     assert delta("kvray:request_queue_time_seconds_count") == len(PROMPTS)  # the prefill's queue
@@ -415,4 +381,4 @@ def test_a_request_past_its_deadline_is_aborted_everywhere(client, http):
     r = http.post("/v1/completions", json={**body, "request_timeout_s": -1})
     assert _error(r, 400)["param"] == "request_timeout_s"
     # at once, not when the prefill's lease (30 s) would have let its pin go
-    _wait_clean(timeout=10)
+    wait_clean(timeout=10)
