@@ -10,12 +10,12 @@ the same threads, side by side in one run:
   beside it).
 
 kvray runs each `--quantization` (default: gguf, the file's own codes; none: the
-de-quantized weights in the dtype, quantization_ignore=["*"]) in a child process of its
-own. llama.cpp's tools build from the source vendored in the `llama-cpp-python` sdist
-(BENCHMARKS.md says how):
+de-quantized weights in the dtype, quantization_ignore=["*"]; int4:128: int4 in groups of
+128) in a child process of its own; without `--llama-bin`, kvray's rows alone. llama.cpp's
+tools build from the source vendored in the `llama-cpp-python` sdist (BENCHMARKS.md says how):
 
     .venv/bin/python benchmarks/vs_llama_cpp.py --llama-bin /path/to/llama.cpp/build/bin \
-        [--models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct] [--quantization gguf,none]
+        [--models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct] [--quantization gguf,none,int4:128]
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def rss_bytes() -> int:
     return 0
 
 
-def kvray_child(alias: str, quantization: str | None, prompt: int, new: int, reps: int) -> dict:
+def kvray_child(
+    alias: str, quantization: str | None, prompt: int, new: int, reps: int, group: int = 32
+) -> dict:
     """In this process: load, then time the prompt and the decode (best of `reps`)."""
     import torch
 
@@ -54,8 +56,8 @@ def kvray_child(alias: str, quantization: str | None, prompt: int, new: int, rep
     before = rss_bytes()
     kv = 96 << 20  # a small KV cache (the prompt and the decode fit), its bytes not counted
     dense = {"quantization_ignore": ["*"]} if quantization is None else {}  # the file's values in dtype
-    llm = LLM(model=alias, dtype="auto", quantization=quantization, max_model_len=2048,
-              enable_prefix_caching=False, kv_cache_memory_bytes=kv, **dense)  # fmt: skip
+    llm = LLM(model=alias, dtype="auto", quantization=quantization, quantization_group_size=group,
+              max_model_len=2048, enable_prefix_caching=False, kv_cache_memory_bytes=kv, **dense)  # fmt: skip
     release_freed_memory()
     after = rss_bytes() - kv
     vocab = llm.engine.hf_config.vocab_size
@@ -73,10 +75,14 @@ def kvray_child(alias: str, quantization: str | None, prompt: int, new: int, rep
     return {"pp": prompt / pp, "tg": new / tg, "weights_rss": after - before, "dtype": str(llm.engine.dtype)}
 
 
-def kvray(alias: str, quantization: str | None, args) -> dict:
+def kvray(alias: str, mode: str, args) -> dict:
+    """`mode`: a --quantization entry (none, gguf, int8, int4, int4:128)"""
+    quantization, _, group = mode.partition(":")
+    quantization = None if quantization == "none" else quantization
     code = (
         "import json, sys; sys.path.insert(0, 'benchmarks'); import vs_llama_cpp as b; "
-        f"result = b.kvray_child({alias!r}, {quantization!r}, {args.prompt}, {args.new}, {args.reps}); "
+        f"result = b.kvray_child({alias!r}, {quantization!r}, {args.prompt}, {args.new}, {args.reps}, "
+        f"{int(group or 32)}); "
         "print('RESULT', json.dumps(result))"
     )
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -104,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--llama-bin", required=True, help="the folder holding llama-bench")
+    parser.add_argument("--llama-bin", default=None, help="the folder holding llama-bench")
     parser.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--quantization", default="gguf,none", help="kvray's, comma-separated (none: None)")
     parser.add_argument("--threads", type=int, default=2)
@@ -129,14 +135,19 @@ def main() -> None:
     for alias in args.models.split(","):
         gguf = fetch_alias(alias) / GGUF_NAME
         size = gguf.stat().st_size
-        ref = llama_bench(gguf, args)
-        engine = f"llama.cpp {ref['build']} ({ref['type']})"
-        row(alias, f"{size / 1e6:.0f} MB", engine, f"{ref['pp']:.1f}", f"{ref['tg']:.1f}", "1.00x", "")
+        ref = llama_bench(gguf, args) if args.llama_bin else None
+        if ref is not None:
+            engine = f"llama.cpp {ref['build']} ({ref['type']})"
+            row(alias, f"{size / 1e6:.0f} MB", engine, f"{ref['pp']:.1f}", f"{ref['tg']:.1f}", "1.00x", "")
         for q in args.quantization.split(","):
-            got = kvray(alias, None if q == "none" else q, args)
+            got = kvray(alias, q, args)
             engine = f"kvray {q} ({got['dtype'].removeprefix('torch.')})"
-            ratio, held = f"{got['tg'] / ref['tg']:.2f}x", f"{got['weights_rss'] / size:.2f}x"
-            row(alias, "", engine, f"{got['pp']:.1f}", f"{got['tg']:.1f}", ratio, held)
+            ratio = f"{got['tg'] / ref['tg']:.2f}x" if ref is not None else "-"
+            file, held = (
+                "" if ref is not None else f"{size / 1e6:.0f} MB",
+                f"{got['weights_rss'] / size:.2f}x",
+            )
+            row(alias, file, engine, f"{got['pp']:.1f}", f"{got['tg']:.1f}", ratio, held)
         sys.stdout.flush()
 
 

@@ -18,6 +18,7 @@ def _generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         quantization_ignore=["*"] if args.dequantize else [],
+        quantization_group_size=args.quantization_group_size,
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -113,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["int8", "int4", "gguf", "fp8"],
         help="weights kept quantized (default: the checkpoint's own; a GGUF's codes on a CPU)",
+    )
+    gen.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        choices=[32, 128],
+        help="--quantization int4's group along k",
     )
     gen.add_argument(
         "--dequantize", action="store_true", help="a GGUF model's weights de-quantized to --dtype"

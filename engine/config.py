@@ -22,12 +22,14 @@ POLICIES = ("fcfs", "priority", "deadline")
 # too); "int8": every
 # layer's linears quantized at load, weight-only, one symmetric scale per output channel,
 # multiplied by the native CPU kernels (the LM head too; the embedding's rows stay in
-# `dtype`); "int4": the same, as 4-bit codes with a scale and min per group of 32
-# (kernels/cpu_groups.py); "gguf": a GGUF model's quantized tensors as the file holds them
-# (models/gguf_groups.py), with activations quantized per group of 16-32 values as
+# `dtype`); "int4": the same, as 4-bit codes with a scale and min per group of
+# `quantization_group_size` values (32 or 128; kernels/cpu_groups.py); "gguf": a GGUF
+# model's quantized tensors as the file holds them (models/gguf_groups.py), with
+# activations quantized per group of 16-32 values as
 # llama.cpp's kernels do; "fp8": e4m3 weights with a scale per output channel, activations
 # quantized per row, torch._scaled_mm (for CUDA GPUs; models/fp8_linear.py)
 QUANTIZATIONS = (None, "int8", "int4", "gguf", "fp8")
+INT4_GROUPS = (32, 128)
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV cache on CPUs unless told otherwise
 
 
@@ -41,6 +43,9 @@ class EngineConfig:
     # compressed-tensors' `ignore`): "lm_head", "embed_tokens", "layers.0.*",
     # "*.down_proj" (attention's q/k/v are one `qkv_proj`, the MLP's gate/up `gate_up_proj`)
     quantization_ignore: tuple[str, ...] = ()
+    # "int4"'s group along k (GPTQ's and AWQ's group_size): 32, or 128 (a quarter of the
+    # scales' bytes: 4.5 bits a weight against 6; the activations are quantized per group too)
+    quantization_group_size: int = 32
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -88,6 +93,10 @@ class EngineConfig:
                 "quantization_ignore", ignore, "a list of module name patterns, e.g. [lm_head, layers.0.*]"
             )
         object.__setattr__(self, "quantization_ignore", tuple(ignore))
+        if self.quantization_group_size not in INT4_GROUPS:
+            raise InvalidArgumentError(
+                "quantization_group_size", self.quantization_group_size, f"one of {list(INT4_GROUPS)}"
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise InvalidArgumentError("block_size", self.block_size, "one of 8, 16, 32, 64, 128")
         check_range("max_num_seqs", self.max_num_seqs, low=1)

@@ -72,7 +72,8 @@ def load_model(config: EngineConfig, hf_config, model_path, shard: ShardContext 
     ignore, quantization = config.quantization_ignore, resolve_quantization(config, path, dtype, device)
     model = build_model(hf_config, path, dtype, device, max_model_len, shard, quantization, ignore)
     policy = cpu_native.machine_policy(config.fused_decode)
-    pack_model(model, dtype, device, quantization, ignore, policy)  # CPU: weights packed once
+    group = config.quantization_group_size
+    pack_model(model, dtype, device, quantization, ignore, policy, group)  # CPU: weights packed once
     return model, device, dtype, max_model_len
 
 

@@ -1,5 +1,5 @@
 """Weights as low-bit codes in groups along k, for kernels/cpu_linear_qg.c: each group of
-`group` values (16 or 32) of each output column has a scale and min, and stands for
+`group` values (16, 32 or 128) of each output column has a scale and min, and stands for
 code * scale + min (codes of 4, 5, 6 or 8 bits; `Layout`). `quantization="int4"` quantizes a checkpoint's
 weights into it (`quantize_int4`); `"gguf"` repacks a GGUF file's blocks into it without
 loss (models/gguf_groups.py).
@@ -14,7 +14,7 @@ import torch
 WIDTH = 16  # output columns of a panel
 HEADER = 64  # bytes before the panels: int32 bits, group, half, offset
 BITS = (4, 5, 6, 8)
-GROUPS = (16, 32)
+GROUPS = (16, 32, 128)  # the GGUF formats' 16 and 32; int4's 32 and 128
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 /* y = x W^T (+ b) with W held as low-bit codes in groups along k: each group of `group`
- * values (16 or 32) of each output column has its own scale and min, and the weight it
+ * values (16, 32 or 128) of each output column has its own scale and min, and the weight it
  * stands for is code * scale + min (codes of 4, 5, 6 or 8 bits, unsigned). The weight
- * matmuls of `quantization="int4"` (codes 0..15, groups of 32) and `"gguf"`, whose blocks
+ * matmuls of `quantization="int4"` (codes 0..15, groups of 32 or 128) and `"gguf"`, whose blocks
  * repack into this layout without loss (models/gguf_groups.py: Q4_x as 4-bit codes, Q5_x
  * as 5-bit, Q6_K as 6-bit in groups of 16, Q8_0 as 8-bit). Scales (and mins) are fp32, or
  * fp16 where the file's are (`half`); a symmetric format's min is -offset * scale and not
  * stored (`offset` > 0): the codes take the file's bytes, give or take its block headers.
  *
  * The activations are quantized too, as llama.cpp does: each row's group of `group` values
- * to int8 codes (scale d = max |x| / 127, rounded to nearest even), and a group's dot
+ * (128 as llama.cpp's k-quants take 256 a scale) to int8 codes (scale d = max |x| / 127, rounded to nearest even), and a group's dot
  * product is integer arithmetic: sum_j w_j x_j = scale * d * sum_j code_j xq_j +
  * min * d * sum_j xq_j, the integer sums exact (AVX512-VNNI's `vpdpbusd`: 64 unsigned x
  * signed byte products a instruction, summed in fours into 16 column sums), each group's
@@ -60,6 +60,7 @@
 #define PANEL_Q 16
 #define ROWS_Q 8
 #define HEADER_Q 64
+#define MAX_GROUP_Q 128
 
 typedef struct {
     int32_t bits, group, half, offset;
@@ -136,7 +137,7 @@ static RowsQ rows_q_at(void *buffer, int64_t m, int64_t k, int group) {
 
 /* row r of x (fp32, or bf16 widened) quantized per group into q */
 static void quantize_row(const void *x, int bf16_x, int group, const RowsQ *q, int64_t r) {
-    float v[32];
+    float v[MAX_GROUP_Q];
     for (int64_t g = 0; g < q->groups; g++) {
         const int64_t at = g * group;
         float amax = 0.0f;

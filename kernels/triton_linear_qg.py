@@ -1,6 +1,6 @@
 """y = x W^T (+ b) on a GPU with W in the grouped low-bit panels the CPU kernel reads
 (kernels/cpu_groups.py, kernels/cpu_linear_qg.c: codes of 4, 5, 6 or 8 bits in groups of
-16 or 32 along k, a scale and min per group and column, panels of 16 columns): the same
+16, 32 or 128 along k, a scale and min per group and column, panels of 16 columns): the same
 bytes, so a GGUF repacked once serves on either device.
 
 Each program de-quantizes the tile of weights it needs in registers (code * scale + min,

@@ -137,37 +137,44 @@ def weight_copies(
 
 
 def quantized_panels(
-    weight: torch.Tensor, quantization: str | None, grouped=None
+    weight: torch.Tensor, quantization: str | None, grouped=None, group_size: int = 32
 ) -> cpu_native.Panels | None:
     """The weight [n, k] as panels of codes for `quantization` (engine/config.py
-    QUANTIZATIONS): int8 per channel, int4 in groups of 32, fp8 (models/fp8_linear.py:
-    any device), or "gguf": the file's own
-    codes (`grouped`, models/gguf_groups.py; None where the file holds the tensor
-    unquantized). None: the weight stays in the dtype."""
+    QUANTIZATIONS): int8 per channel, int4 in groups of `group_size` (32 or 128), fp8
+    (models/fp8_linear.py: any device), or "gguf": the file's own codes (`grouped`,
+    models/gguf_groups.py; None where the file holds the tensor unquantized). None: the
+    weight stays in the dtype."""
     if quantization == "int8":
         return cpu_native.to_panels_int8(weight)
     if quantization == "fp8":
         return Fp8Weight.of(weight)
     if quantization == "int4":
         n, k = weight.shape
-        if k % 32:
+        if k % group_size:
+            field = "quantization" if group_size == 32 else "quantization_group_size"
             raise InvalidArgumentError(
-                "quantization", quantization, f"weights whose k divides into groups of 32 (k={k})"
+                field,
+                quantization if group_size == 32 else group_size,
+                f"weights whose k divides into groups of {group_size} (k={k}; list the module in "
+                "quantization_ignore to keep it in dtype)",
             )
-        codes, scales, mins = cpu_groups.quantize_int4(weight, 32)
-        return cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, cpu_groups.Layout(4, 32)), n, k)
+        codes, scales, mins = cpu_groups.quantize_int4(weight, group_size)
+        layout = cpu_groups.Layout(4, group_size)
+        return cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, layout), n, k)
     if quantization == "gguf" and grouped is not None:
         return grouped  # attached as panels (models/gguf_groups.py)
     return None
 
 
-def pack_layer(layer: nn.Module, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
+def pack_layer(
+    layer: nn.Module, quantization: str | None, policy: cpu_native.NativePolicy, group_size: int = 32
+) -> None:
     """layer.packed, layer.panels = its weight's copies (`weight_copies`); the dense
     `layer.weight` goes once they serve every step (oneDNN's copy, or the panels alone).
     Quantized (`quantized_panels`): panels of codes are the weight's only copy (every
     step's rows)."""
     weight = layer.weight
-    panels = quantized_panels(weight, quantization, getattr(layer, "grouped", None))
+    panels = quantized_panels(weight, quantization, getattr(layer, "grouped", None), group_size)
     layer.grouped = None
     if panels is not None:
         layer.packed, layer.panels, layer.weight = None, panels, None
@@ -207,6 +214,7 @@ def pack_model(
     quantization: str | None = None,
     ignore: tuple[str, ...] = (),
     policy: cpu_native.NativePolicy | None = None,
+    group_size: int = 32,
 ) -> int:
     """Pack every layer that can (modules with `pack_for_cpu`); returns how many did. Where
     oneDNN does not take the dtype (bf16 on a CPU without AVX-512) the native panels still
@@ -216,7 +224,8 @@ def pack_model(
     `ignore` names (engine/config.py quantization_ignore; the model's own entry stands for
     its LM head, "lm_head") stay in the dtype. `policy`: which steps go to the native
     kernels (default: this CPU's, `cpu_native.machine_policy`), kept as
-    `model.native_policy` for its fused decode steps."""
+    `model.native_policy` for its fused decode steps. `group_size`: int4's group
+    (engine/config.py quantization_group_size)."""
     policy = policy or cpu_native.machine_policy()
     model.native_policy = policy
     if quantization not in (None, "fp8") and not cpu_native.takes(dtype, device):
@@ -236,9 +245,8 @@ def pack_model(
     with torch.no_grad():
         for name, module in model.named_modules():
             if hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu(
-                    None if ignored(model, name or "lm_head", ignore) else quantization, policy
-                )
+                kept = ignored(model, name or "lm_head", ignore)
+                module.pack_for_cpu(None if kept else quantization, policy, group_size)
                 packed += 1
     native = gather_panels(model) > 0
     name = str(dtype).removeprefix("torch.")

@@ -65,9 +65,11 @@ class PackedLinear(nn.Module):
         start, rows = self.offsets[part]
         param.data[start : start + len(rows)].copy_(loaded[rows.start : rows.stop])
 
-    def pack_for_cpu(self, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
+    def pack_for_cpu(
+        self, quantization: str | None, policy: cpu_native.NativePolicy, group_size: int = 32
+    ) -> None:
         """Multiply through a packed copy from now on (loaded weights only)."""
-        pack_layer(self, quantization, policy)
+        pack_layer(self, quantization, policy, group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed, self.panels)
@@ -90,8 +92,10 @@ class RowParallelLinear(nn.Module):
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, part: str | None = None) -> None:
         param.data.copy_(loaded[:, self.in_cols.start : self.in_cols.stop])
 
-    def pack_for_cpu(self, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
-        pack_layer(self, quantization, policy)
+    def pack_for_cpu(
+        self, quantization: str | None, policy: cpu_native.NativePolicy, group_size: int = 32
+    ) -> None:
+        pack_layer(self, quantization, policy, group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:

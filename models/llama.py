@@ -212,7 +212,9 @@ class LlamaForCausalLM(nn.Module):
         width = -(-self.config.vocab_size // self.shard.tp_size)
         return self.shard.all_gather_last(logits, width)[:, : self.config.vocab_size].float()
 
-    def pack_for_cpu(self, quantization: str | None, policy: cpu_native.NativePolicy) -> None:
+    def pack_for_cpu(
+        self, quantization: str | None, policy: cpu_native.NativePolicy, group_size: int = 32
+    ) -> None:
         """The LM head's packed copy (the embedding keeps its rows: a tied head shares them).
         Quantized: the head as panels of codes too (cpu_linear.quantized_panels; a step
         reads the whole head: for Qwen2.5-0.5B 43 % of its bytes; the shipped GGUF files
@@ -220,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
         embed = getattr(self, "embed_tokens", None)
         if self.shard.spec.is_last_stage:
             head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-            panels = quantized_panels(head.weight, quantization, getattr(self, "grouped_head", None))
+            grouped = getattr(self, "grouped_head", None)
+            panels = quantized_panels(head.weight, quantization, grouped, group_size)
             self.grouped_head = None
             if panels is not None:
                 self.packed_head, self.panels_head = None, panels

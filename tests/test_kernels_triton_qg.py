@@ -40,3 +40,17 @@ def test_grouped_triton_linear_in_half_precision(dtype):
     want = x.double() @ w.double().T
     assert out.dtype == dtype
     assert ((out.double() - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("layout", [cpu_groups.Layout(4, 128), cpu_groups.Layout(4, 128, True)], ids=str)
+@pytest.mark.parametrize("m", [1, 20])
+def test_grouped_triton_linear_takes_groups_of_128(layout, m):
+    """int4's quantization_group_size=128 panels: the same kernels, a group a 128-wide tile"""
+    n, k = 40, 256
+    codes, scales, mins = _weight(n, k, layout, seed=m)
+    data = cpu_groups.to_panels(codes, scales, mins, layout)
+    w = cpu_groups.dequantized(data, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8))
+    out = triton_linear_qg.grouped_linear(x.to(DEVICE), data.to(DEVICE), n).cpu()
+    want = x.double() @ w.double().T
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from kvray.engine import LLM, SamplingParams
 from kvray.engine.dtype import cpu_has_native_bf16
 from kvray.engine.model_runner import StepPlan
-from kvray.kernels import cpu_native
+from kvray.kernels import cpu_groups, cpu_native
 from kvray.kernels.backend import LayerKV
 from kvray.kernels.kv_quant import QUANTS, SCALE_BYTES, split_cache
 from kvray.models import native_decode
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 SMALL = dict(
     vocab_size=256,
     hidden_size=128,
-    intermediate_size=192,
+    intermediate_size=256,  # int4's groups of 128 divide every linear's k
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -127,11 +127,12 @@ def test_fused_decode_bf16_matches_the_modules_bf16(saved_model, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "quantization"),
-    [(d, q) for q in (None, "int8", "int4") for d in ("float32", "bfloat16")],
+    ("dtype", "quantization", "group"),
+    [(d, q, 32) for q in (None, "int8", "int4") for d in ("float32", "bfloat16")]
+    + [("float32", "int4", 128)],
 )
 def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(
-    saved_model, monkeypatch, dtype, quantization
+    saved_model, monkeypatch, dtype, quantization, group
 ):
     """The runner's one-call decode step (the embedding's rows, the RoPE tables' rows,
     every layer, the final norm and the LM head, from the plan's lists) gives the logits
@@ -144,10 +145,13 @@ def test_a_step_from_its_tokens_is_the_modules_step_bit_for_bit(
     fuse_fp32_steps(monkeypatch)  # fp32 batches fuse on any CPU
     name, path, _ = saved_model
     args = {"max_model_len": 256, "enable_prefix_caching": False, "quantization": quantization}
-    llm = LLM(model=str(path), dtype=dtype, **args)
+    llm = LLM(model=str(path), dtype=dtype, quantization_group_size=group, **args)
     runner = llm.engine.runner
     if quantization:
-        assert runner.model.layers[0].self_attn.qkv_proj.panels.data.dtype in cpu_native.QUANTIZED
+        panels = runner.model.layers[0].mlp.down_proj.panels
+        assert panels.data.dtype in cpu_native.QUANTIZED
+        if quantization == "int4":
+            assert cpu_groups.layout(panels.data).group == group
     real = runner._native_decode_step
     same = []
 

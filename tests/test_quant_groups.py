@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvray.engine.config import EngineConfig
 from kvray.kernels import cpu_groups, cpu_native
 from kvray.models import gguf_groups
 
@@ -56,6 +57,19 @@ def _reference(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(5, 64), (37, 96), (200, 128)])
 def test_grouped_panels_match_a_float64_matmul(layout, dtype, n, k):
+    _check_panels(layout, dtype, n, k)
+
+
+@pytest.mark.parametrize("layout", [Layout(4, 128), Layout(4, 128, True), Layout(8, 128, True, 128)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(5, 128), (37, 384)])
+def test_groups_of_128_match_a_float64_matmul(layout, dtype, n, k):
+    """int4's quantization_group_size=128: a scale and min per 128 values, the activations
+    quantized per 128 too (their integer sums still exact in int32)"""
+    _check_panels(layout, dtype, n, k)
+
+
+def _check_panels(layout: Layout, dtype: torch.dtype, n: int, k: int) -> None:
     group = layout.group
     codes, scales, mins = _weight(n, k, layout)
     panels = cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, layout), n, k)
@@ -90,16 +104,18 @@ def test_a_rows_result_does_not_depend_on_the_steps_other_rows(dtype):
         assert torch.equal(cpu_native.linear(x[i : i + 1].contiguous(), panels, None)[0], together[i])
 
 
-def test_int4_keeps_each_weight_within_half_a_step_of_its_group():
-    w = torch.randn(48, 160) * torch.linspace(0.1, 3, 160)
-    codes, scales, mins = cpu_groups.quantize_int4(w, 32)
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_keeps_each_weight_within_half_a_step_of_its_group(group):
+    k = 5 * group
+    w = torch.randn(48, k) * torch.linspace(0.1, 3, k)
+    codes, scales, mins = cpu_groups.quantize_int4(w, group)
     assert codes.max() <= 15 and scales.shape == mins.shape == (48, 5)
-    back = (codes.float().view(48, 5, 32) * scales[:, :, None] + mins[:, :, None]).view(48, 160)
-    step = scales.repeat_interleave(32, 1)
+    back = (codes.float().view(48, 5, group) * scales[:, :, None] + mins[:, :, None]).view(48, k)
+    step = scales.repeat_interleave(group, 1)
     assert ((back - w).abs() <= step / 2 + 1e-6).all()
     # each group's min and max are codes 0 and 15
-    assert torch.allclose(back.view(48, 5, 32).amin(2), w.view(48, 5, 32).amin(2))
-    assert torch.allclose(back.view(48, 5, 32).amax(2), w.view(48, 5, 32).amax(2), atol=1e-5)
+    assert torch.allclose(back.view(48, 5, group).amin(2), w.view(48, 5, group).amin(2))
+    assert torch.allclose(back.view(48, 5, group).amax(2), w.view(48, 5, group).amax(2), atol=1e-5)
 
 
 def _random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -198,7 +214,7 @@ def test_smollm2_from_its_gguf_holds_the_files_codes_and_predicts_as_transformer
     assert_no_leaks(gguf_llm)
 
 
-def test_gguf_needs_a_gguf_model_and_int4_a_k_in_groups_of_32():
+def test_gguf_needs_a_gguf_model_and_int4_a_k_in_its_groups():
     from kvray.errors import InvalidArgumentError
     from kvray.models import cpu_linear
 
@@ -207,6 +223,13 @@ def test_gguf_needs_a_gguf_model_and_int4_a_k_in_groups_of_32():
     with pytest.raises(InvalidArgumentError, match="quantization.*groups of 32"):
         cpu_linear.quantized_panels(torch.randn(8, 40), "int4")
     assert cpu_linear.quantized_panels(torch.randn(8, 64), "int4").data.dtype == torch.uint8
+    # SmolLM2's 576 inputs do not divide into groups of 128
+    with pytest.raises(InvalidArgumentError, match="quantization_group_size.*groups of 128.*k=576"):
+        cpu_linear.quantized_panels(torch.randn(8, 576), "int4", group_size=128)
+    panels = cpu_linear.quantized_panels(torch.randn(8, 640), "int4", group_size=128)
+    assert cpu_groups.layout(panels.data) == Layout(4, 128)
+    with pytest.raises(InvalidArgumentError, match="quantization_group_size.*one of \\[32, 128\\]"):
+        EngineConfig(quantization="int4", quantization_group_size=64)
 
 
 def test_a_folder_converted_before_the_gguf_was_kept_gets_it_or_serves_without_it(tmp_path, monkeypatch):
