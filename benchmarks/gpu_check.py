@@ -46,10 +46,12 @@ from gpu_check_kernels import bench_decode, bench_prefill, bench_quantized_decod
 from gpu_check_plan import GPU_PLAN, SMOKE_PLAN, Plan, Timer, table
 
 
-def bench_engine(plan: Plan, timer: Timer, steps: list[dict]) -> list[str]:
+def bench_engine(plan: Plan, timer: Timer, steps: list[dict], quantization: str | None = None) -> list[str]:
     """(d) Steady-state decode steps of the whole engine, and transformers' generate.
     Each engine step's batch and seconds go to `steps` (kvray.sim's StepSample shape: what
-    `kvray bench step-times --from-gpu` fits the GPU's step-time model to)."""
+    `kvray bench step-times --from-gpu` fits the GPU's step-time model to). `quantization`
+    ("int4": the linears' grouped codes through the Triton kernels, models/triton_linear.py)
+    runs the same steps beside transformers' unquantized model."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from kvray.engine import EngineConfig, LLMEngine, SamplingParams
@@ -68,6 +70,8 @@ def bench_engine(plan: Plan, timer: Timer, steps: list[dict]) -> list[str]:
         enable_prefix_caching=False,
         max_model_len=prompt_len + 3 * num_steps + 8,
         kv_cache_memory_bytes=plan.engine_kv_bytes,
+        quantization=quantization,
+        quantization_group_size=128 if quantization == "int4" else 32,
     )
     engine = LLMEngine(config, hf_config=cfg)
     with torch.no_grad():  # a plain init, whatever the engine leaves in fresh parameters
@@ -139,6 +143,7 @@ def bench_engine(plan: Plan, timer: Timer, steps: list[dict]) -> list[str]:
     hf_tps = batch * num_steps / max((t_end - t_all) - (t_all - t_first), 1e-9)
     header = ["model", "batch", "prompt", "dtype", "kvray decode tok/s", "transformers decode tok/s", "ratio"]
     shape = f"Llama {cfg.num_hidden_layers}L h{cfg.hidden_size} (random)"
+    dtype_name += f", {quantization}/128 weights" if quantization else ""
     return table(
         header,
         [
@@ -227,6 +232,10 @@ def run(plan: Plan, smoke: bool, steps_path: Path | None = None) -> tuple[list[s
     section("Grouped low-bit weights (GGUF layouts) against cuBLAS bf16", grouped)
     steps: list[dict] = []
     section("Engine decode throughput", lambda: bench_engine(plan, timer, steps))
+    if plan.device.type == "cuda":  # the CPU's smoke run takes int4 on its native kernels
+        section(
+            "Engine decode throughput, int4 weights on Triton", lambda: bench_engine(plan, timer, [], "int4")
+        )
     if steps and steps_path is not None:
         dtype_bytes = torch.tensor([], dtype=plan.bench_dtype).element_size()
         body = {"device": where, "dtype_bytes": dtype_bytes, "hf_config": plan.model, "samples": steps}

@@ -14,6 +14,7 @@ LAYOUTS = {  # a GGUF format each: bits, group, fp16 scales, implied min offset
     "Q5_0": (5, 32, True, 16),
     "Q6_K": (6, 16, False, 32),
     "Q8_0": (8, 32, True, 128),
+    "int4/128": (4, 128, False, 0),  # quantization="int4", quantization_group_size=128
 }
 
 

@@ -34,6 +34,7 @@ from kvray.errors import InvalidArgumentError
 from kvray.kernels import cpu_groups, cpu_native
 from kvray.kernels.cpu_memory import huge_page_zeros, release_freed_memory
 from kvray.models.fp8_linear import Fp8Weight
+from kvray.models.triton_linear import TritonGrouped, on_triton
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ def linear(
 ) -> torch.Tensor:
     """x W^T (+ b): through the native panels where they take the rows (`panels.rows`),
     else through the packed weight when there is one (fp8 codes, on any device, through
-    torch._scaled_mm)."""
-    if isinstance(panels, Fp8Weight):
+    torch._scaled_mm; grouped codes on a GPU through Triton, models/triton_linear.py)."""
+    if isinstance(panels, (Fp8Weight, TritonGrouped)):
         return panels.matmul(x, bias)
     if int8_dense(x, panels):
         return F.linear(x, cpu_native.dequantized(panels).to(x.dtype), bias)
@@ -158,7 +159,7 @@ def quantized_panels(
                 f"weights whose k divides into groups of {group_size} (k={k}; list the module in "
                 "quantization_ignore to keep it in dtype)",
             )
-        codes, scales, mins = cpu_groups.quantize_int4(weight, group_size)
+        codes, scales, mins = cpu_groups.quantize_int4(weight.cpu(), group_size)  # built on the CPU
         layout = cpu_groups.Layout(4, group_size)
         return cpu_native.Panels(cpu_groups.to_panels(codes, scales, mins, layout), n, k)
     if quantization == "gguf" and grouped is not None:
@@ -228,10 +229,11 @@ def pack_model(
     (engine/config.py quantization_group_size)."""
     policy = policy or cpu_native.machine_policy()
     model.native_policy = policy
-    if quantization not in (None, "fp8") and not cpu_native.takes(dtype, device):
+    triton = on_triton(device) and quantization in TRITON_QUANTIZATIONS
+    if quantization not in (None, "fp8") and not (triton or cpu_native.takes(dtype, device)):
         raise InvalidArgumentError(
             "quantization", quantization, "None here (quantized weights run on the native CPU kernels: a CPU "
-            "with a C compiler, KVRAY_NATIVE_KERNELS not 0)"
+            "with a C compiler, KVRAY_NATIVE_KERNELS not 0; on CUDA, fp8, and int4 and gguf on Triton)"
         )  # fmt: skip
     if quantization == "gguf" and not getattr(model, "gguf_codes", False):
         raise InvalidArgumentError(
@@ -239,7 +241,7 @@ def pack_model(
         )
     if ignore:
         check_ignore(model, ignore)
-    if quantization != "fp8" and not (can_pack(dtype, device) or cpu_native.takes(dtype, device)):
+    if quantization != "fp8" and not (triton or can_pack(dtype, device) or cpu_native.takes(dtype, device)):
         return 0
     packed = 0
     with torch.no_grad():
@@ -248,10 +250,13 @@ def pack_model(
                 kept = ignored(model, name or "lm_head", ignore)
                 module.pack_for_cpu(None if kept else quantization, policy, group_size)
                 packed += 1
+    if triton:
+        to_triton(model, dtype, device)
     native = gather_panels(model) > 0
     name = str(dtype).removeprefix("torch.")
     if quantization is not None:
-        how = f"quantized as {quantization} (native panels, the LM head too; the embedding in {name})"
+        where = "Triton kernels on the GPU" if triton else "native panels"
+        how = f"quantized as {quantization} ({where}, the LM head too; the embedding in {name})"
     elif native and policy.every_step(dtype):
         how = "held once, in the native panels (they take every step)"
     else:
@@ -263,6 +268,25 @@ def pack_model(
 
 
 PANEL_ATTRS = ("panels", "panels_head")  # where modules keep their native panels
+TRITON_QUANTIZATIONS = ("int4", "gguf")  # grouped codes, which kernels/triton_linear_qg.py takes
+
+
+def to_triton(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Grouped codes' panels (built on the CPU) onto the GPU for the Triton kernels
+    (models/triton_linear.py); an embedding held in codes gets its rows back in `dtype`."""
+    moved: dict[int, TritonGrouped] = {}  # a tied head's panels are its embedding's too
+    for module in model.modules():
+        for attr in PANEL_ATTRS:
+            panels = getattr(module, attr, None)
+            if not isinstance(panels, cpu_native.Panels) or panels.data.dtype != torch.uint8:
+                continue
+            if hasattr(module, "hold_codes"):  # an embedding: its rows, dense
+                rows = cpu_native.dequantized(panels).to(device, dtype)
+                module.weight, module.panels = nn.Parameter(rows, requires_grad=False), None
+            else:
+                if id(panels) not in moved:
+                    moved[id(panels)] = TritonGrouped.of(panels, device)
+                setattr(module, attr, moved[id(panels)])
 
 
 def gather_panels(model: nn.Module) -> int:

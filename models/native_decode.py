@@ -88,7 +88,10 @@ class NativeDecode:
             a, mlp = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(lin.panels is None or lin.panels.data.dtype != weights for lin in linears):
+            if any(
+                not isinstance(lin.panels, cpu_native.Panels) or lin.panels.data.dtype != weights
+                for lin in linears
+            ):
                 return False
             biases = [lin.bias for lin in linears if lin.bias is not None]
             if any(b.dtype != dtype or not b.is_contiguous() for b in biases):

@@ -63,9 +63,9 @@ def test_cpu_smoke_writes_every_table(tmp_path):
         assert header in report, header
     assert "crashed" not in report and "FAIL" not in report and "| NO |" not in report
     assert "| split x" in report and "| plain |" in report  # both decode paths timed
-    # 4 attention cases + cache writes, in 2 dtypes; the model-dtype and int8 caches; 5
-    # grouped formats at 2 row counts
-    assert report.count("| ok |") == 22
+    # 4 attention cases + cache writes, in 2 dtypes; the model-dtype and int8 caches; 6
+    # grouped layouts (5 GGUF formats, int4 in groups of 128) at 2 row counts
+    assert report.count("| ok |") == 24
     assert "| ok | ok |" in report  # the int8 cache's Triton writes agree with kv_quant
     # the engine's steps for kvray.sim's fit: 3 decode steps of the batch of 4 (8-token
     # prompts), then prompt steps of 1, 2 and 4 prompts
