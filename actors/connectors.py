@@ -25,8 +25,8 @@ import torch
 
 from kvray.actors.pair_group import PairGroups, host_store, join_pair_groups
 from kvray.configs import KVTransferConfig
-from kvray.engine.kv_handoff import PinTable
-from kvray.engine.kv_transfer import KVLayout, KVTicket, layer_chunks, pack_blocks, unpack_blocks
+from kvray.engine.kv_transfer import KVLayout, KVTicket, layer_chunks
+from kvray.engine.kv_views import BlockView, KVViews
 from kvray.errors import KvrayError
 from kvray.timeouts import wait_for
 
@@ -40,29 +40,20 @@ class KVPullError(KvrayError):
 
 
 class KVSource:
-    """The prefill side: packs pinned blocks for a pull (any thread; pins guard them).
+    """The prefill side: packs pinned blocks for a pull (any thread; pins guard them),
+    through its engine's views of one request's blocks (engine/kv_views.py).
 
     A shard of a multi-shard worker serves `pieces` (layers x heads of given blocks): the
-    worker's driver holds the pin for the whole pull (`pins` is None on other shards).
+    worker's driver holds the pin for the whole pull (its shards' views have no pins).
     """
 
-    def __init__(self, pins: PinTable | None, kv_cache: torch.Tensor, device: torch.device, layout: KVLayout):
-        self.pins = pins
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, Hkv, D]
-        self.device = device
+    def __init__(self, views: KVViews, layout: KVLayout):
+        self.views = views
+        self.device = views.device
         self.layout = layout
         self.pair_groups: dict[str, PairGroups] = {}  # decode worker id -> its pair
         self.socket_server = None  # tcp connector: kv_socket.SocketServer, started on first use
         self.bytes_sent = 0
-
-    def begin(self, request_id: str) -> list[int] | None:
-        return self.pins.begin_read(request_id)
-
-    def pack(self, request_id: str, blocks: list[int]) -> torch.Tensor:
-        try:
-            return pack_blocks(self.kv_cache, blocks)
-        finally:
-            self.pins.end_read(request_id)
 
     async def export_kv(self, request_id: str) -> torch.Tensor | None:
         """object_store connector: the packed blocks, returned as a Ray object."""
@@ -72,12 +63,12 @@ class KVSource:
         return packed
 
     def _export(self, request_id: str) -> torch.Tensor | None:
-        blocks = self.begin(request_id)  # begin and end on one thread: a cancelled caller
-        return None if blocks is None else self.pack(request_id, blocks).cpu()  # can't leak it
+        with self.views.pinned(request_id) as blocks:  # read on one thread: a cancelled
+            return None if blocks is None else blocks.pack().cpu()  # caller can't leak it
 
     def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
         """torch_dist, multi-shard pull: send one piece on the pair's data group (blocking)."""
-        packed = pack_blocks(self.kv_cache, blocks, layers, heads)
+        packed = self.views.of(blocks).pack(layers, heads)
         self.pair_groups[peer_id].data.send([packed], 0, tag).wait()
         sent = packed.numel() * packed.element_size()
         self.bytes_sent += sent
@@ -85,7 +76,7 @@ class KVSource:
 
     async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
         """object_store, multi-shard pull: one piece as a Ray object."""
-        packed = await asyncio.to_thread(lambda: pack_blocks(self.kv_cache, blocks, layers, heads).cpu())
+        packed = await asyncio.to_thread(lambda: self.views.of(blocks).pack(layers, heads).cpu())
         self.bytes_sent += packed.numel() * packed.element_size()
         return packed
 
@@ -123,9 +114,9 @@ class KVConnector(ABC):
         self.backend = backend
 
     @abstractmethod
-    async def pull(self, ticket: KVTicket, prefill, kv_cache: torch.Tensor, dst_blocks: list[int]) -> int:
-        """Copy the ticket's blocks into `dst_blocks` of `kv_cache` (the engine's
-        [num_layers, 2, num_blocks, ...] tensor); returns bytes moved."""
+    async def pull(self, ticket: KVTicket, prefill, into: BlockView) -> int:
+        """Copy the ticket's blocks into `into` (the blocks this engine reserved for
+        them); returns bytes moved."""
 
     @abstractmethod
     async def pull_piece(
@@ -133,20 +124,19 @@ class KVConnector(ABC):
         source_id: str,
         source,
         src_blocks: list[int],
-        dst_blocks: list[int],
         src: tuple[range, range],
+        into: BlockView,
         dst: tuple[range, range],
-        kv_cache: torch.Tensor,
         start_by: float,
     ) -> int:
         """Multi-shard pull: copy layers x heads `src` of `src_blocks` from shard `source`
-        (held by its worker's driver for the pull) into `dst` of `dst_blocks` here. A
+        (held by its worker's driver for the pull) into layers x heads `dst` of `into`. A
         piece that cannot start reading by `start_by` (time.time()) fails instead: the
         hold would end before a full pull timeout after it."""
 
 
 class ObjectStoreConnector(KVConnector):
-    async def pull(self, ticket, prefill, kv_cache, dst_blocks):
+    async def pull(self, ticket, prefill, into):
         try:
             packed = await wait_for(
                 prefill.export_kv.remote(ticket.request_id), self.config.pull_timeout_seconds
@@ -156,18 +146,18 @@ class ObjectStoreConnector(KVConnector):
         if packed is None:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
         try:
-            await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed)
+            await asyncio.to_thread(into.unpack, packed)
         except RuntimeError as e:  # e.g. a layout that does not fit this engine's cache
             raise KVPullError(f"blocks of {ticket.request_id} do not fit here: {e}") from e
         return packed.numel() * packed.element_size()
 
-    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
+    async def pull_piece(self, source_id, source, src_blocks, src, into, dst, start_by):
         try:
             check_start(start_by, source_id)
             packed = await wait_for(
                 source.export_piece.remote(src_blocks, *src), self.config.pull_timeout_seconds
             )
-            await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, packed, *dst)
+            await asyncio.to_thread(into.unpack, packed, *dst)
         except KVPullError:
             raise
         except Exception as e:  # actor died, timed out, shapes do not fit
@@ -258,7 +248,7 @@ class TorchDistConnector(KVConnector):
         self.links.drop(peer_id)
         self.stores.pop(peer_id, None)
 
-    async def pull(self, ticket, prefill, kv_cache, dst_blocks):
+    async def pull(self, ticket, prefill, into):
         """Ask on the control group, then receive on the data group: the sender answers
         with a one-element header (1: the blocks follow, 0: the pin is gone), so a late
         pull never waits for data; the blocks then come as layer-range chunks, all
@@ -272,7 +262,7 @@ class TorchDistConnector(KVConnector):
 
             def transfer() -> int:
                 groups.control.send([request], 1, REQUEST_TAG).wait(timeout)
-                return receive_packed(groups.data, ticket, kv_cache, dst_blocks, tag, timeout)
+                return receive_packed(groups.data, ticket, into, tag, timeout)
 
             async with self.links.lock(peer_id):
                 moved = await asyncio.to_thread(transfer)
@@ -283,9 +273,9 @@ class TorchDistConnector(KVConnector):
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
         return moved
 
-    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
+    async def pull_piece(self, source_id, source, src_blocks, src, into, dst, start_by):
         """The source is told by a Ray call to send; the piece comes on the pair's data group."""
-        buf = piece_buffer(kv_cache, dst, len(dst_blocks), kv_cache.device)
+        buf = into.empty_piece(*dst)
         timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
         try:
             groups = await self.links.get(source_id, source)
@@ -295,20 +285,13 @@ class TorchDistConnector(KVConnector):
                 sent = source.send_piece.remote(self.worker_id, tag, src_blocks, *src)
                 await asyncio.to_thread(lambda: groups.data.recv([buf], 1, tag).wait(timeout))
                 await sent
-            await asyncio.to_thread(unpack_blocks, kv_cache, dst_blocks, buf, *dst)
+            await asyncio.to_thread(into.unpack, buf, *dst)
         except KVPullError:
             raise
         except Exception as e:  # peer died mid-transfer, gloo timeout, ...
             self._forget(source_id)
             raise KVPullError(f"torch_dist piece from {source_id} failed: {e!r}") from e
         return buf.numel() * buf.element_size()
-
-
-def piece_buffer(kv_cache: torch.Tensor, dst: tuple[range, range], num_blocks: int, device) -> torch.Tensor:
-    """An empty buffer for a multi-shard piece: layers x heads `dst` of `num_blocks` blocks."""
-    layers, heads = dst
-    shape = (len(layers), 2, num_blocks, kv_cache.shape[3], len(heads), kv_cache.shape[5])
-    return torch.empty(shape, dtype=kv_cache.dtype, device=device)
 
 
 def check_start(start_by: float, source_id: str) -> None:
@@ -334,13 +317,11 @@ def decode_request(words: torch.Tensor) -> tuple[int, str]:
     return tag, words[2:].numpy().tobytes()[:length].decode()
 
 
-def receive_packed(
-    pg, ticket: KVTicket, kv_cache, dst_blocks: list[int], tag: int, timeout: datetime.timedelta
-) -> int:
+def receive_packed(pg, ticket: KVTicket, into: BlockView, tag: int, timeout: datetime.timedelta) -> int:
     """The decode side of a torch_dist pull (blocking; run it in a thread). Every receive
     waits at most `timeout` (the pull timeout), on NCCL as on gloo."""
     layout = ticket.layout
-    device = kv_cache.device
+    device = into.device
     header = torch.zeros(1, dtype=torch.int64, device=device)
     pg.recv([header], 1, tag).wait(timeout)
     if int(header.item()) == 0:
@@ -352,28 +333,25 @@ def receive_packed(
     works = [pg.recv([buf], 1, tag + 1 + i) for i, buf in enumerate(bufs)]
     for layers, buf, work in zip(chunks, bufs, works):
         work.wait(timeout)
-        unpack_blocks(kv_cache, dst_blocks, buf, layers)
+        into.unpack(buf, layers)
     return sum(b.numel() * b.element_size() for b in bufs)
 
 
 def send_packed(pg, source: KVSource, request_id: str, tag: int, timeout: datetime.timedelta) -> int:
     """The prefill side of a torch_dist pull (blocking): header, then packed chunks, each
     packed while the previous one is on the wire; every send waits at most `timeout`."""
-    blocks = source.begin(request_id)
-    if blocks is None:
-        pg.send([torch.zeros(1, dtype=torch.int64, device=source.device)], 0, tag).wait(timeout)
-        return 0
-    sent, works = 0, []
-    try:
+    with source.views.pinned(request_id) as blocks:
+        if blocks is None:
+            pg.send([torch.zeros(1, dtype=torch.int64, device=source.device)], 0, tag).wait(timeout)
+            return 0
+        sent, works = 0, []
         pg.send([torch.ones(1, dtype=torch.int64, device=source.device)], 0, tag).wait(timeout)
         for i, layers in enumerate(layer_chunks(source.layout, len(blocks))):
-            packed = pack_blocks(source.kv_cache, blocks, layers)
+            packed = blocks.pack(layers)
             works.append(pg.send([packed], 0, tag + 1 + i))
             sent += packed.numel() * packed.element_size()
         for work in works:
             work.wait(timeout)
-    finally:
-        source.pins.end_read(request_id)
     return sent
 
 

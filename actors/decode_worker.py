@@ -68,7 +68,7 @@ class DecodeWorker(EngineWorker):
             return
         ok = False
         try:
-            ok = await self.puller.pull(handoff.ticket, prefill, self.llm.kv_cache, blocks)
+            ok = await self.puller.pull(handoff.ticket, prefill, self.llm.kv_views.of(blocks))
         finally:
             await self.llm.finish_kv_pull(rid, ok)
 

@@ -13,13 +13,12 @@ import bisect
 import logging
 import time
 
-import torch
-
 from kvray.actors.connectors import KVConnector, KVPullError
 from kvray.actors.messages import TRANSFER_BUCKETS
 from kvray.actors.shard_group import pull_pieces
 from kvray.configs import KVTransferConfig
 from kvray.engine.kv_transfer import KVLayout, KVTicket, plan_kv_pull
+from kvray.engine.kv_views import BlockView
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +34,9 @@ class KVPuller:
         self.seconds = 0.0
         self.buckets = [0] * (len(TRANSFER_BUCKETS) + 1)  # pulls per duration bucket, +Inf last
 
-    async def pull(self, ticket: KVTicket | None, prefill, kv_cache: torch.Tensor, blocks: list[int]) -> bool:
-        """Fill `blocks` with the ticket's KV; True on success. Never raises a pull failure."""
+    async def pull(self, ticket: KVTicket | None, prefill, into: BlockView) -> bool:
+        """Fill `into` (the blocks reserved for it) with the ticket's KV; True on success.
+        Never raises a pull failure."""
         start = time.perf_counter()
         try:
             if ticket is None or prefill is None:
@@ -46,9 +46,9 @@ class KVPuller:
             except ValueError as e:
                 raise KVPullError(str(e)) from e
             if ticket.layout.num_shards == 1 and self.layout.num_shards == 1:
-                moved = await self.connector.pull(ticket, prefill, kv_cache, blocks)
+                moved = await self.connector.pull(ticket, prefill, into)
             else:
-                moved = await self._pull_sharded(ticket, prefill, kv_cache, blocks)
+                moved = await self._pull_sharded(ticket, prefill, into)
         except Exception as e:  # KVPullError, or the prefill worker went away (not a cancel)
             rid = ticket.request_id if ticket is not None else "?"
             logger.warning("kvray worker: KV pull of %s failed, recomputing: %s", rid, e)
@@ -62,9 +62,7 @@ class KVPuller:
         self.buckets[bisect.bisect_left(TRANSFER_BUCKETS, elapsed)] += 1
         return True
 
-    async def _pull_sharded(
-        self, ticket: KVTicket, prefill, kv_cache: torch.Tensor, blocks: list[int]
-    ) -> int:
+    async def _pull_sharded(self, ticket: KVTicket, prefill, into: BlockView) -> int:
         """Shard to shard: every decode shard receives exactly its layers x heads, each
         from the prefill shard that holds them (heads re-sharded when tp differs). The
         hold lasts two pull timeouts: every piece starts within the first, so it ends
@@ -82,11 +80,11 @@ class KVPuller:
         for piece in plan_kv_pull(ticket.layout, self.layout):
             by_rank.setdefault(piece.dst_rank, []).append(piece)
         args = (sources, source_ids)
-        tail = (ticket.layout, self.layout, src_blocks, blocks, start_by)
+        tail = (ticket.layout, self.layout, src_blocks, start_by)
         parts = [
-            pull_pieces(self.connector, kv_cache, *args, pieces, *tail)
-            if rank == 0
-            else self.shards[rank - 1].pull_pieces.remote(*args, pieces, *tail)
+            pull_pieces(self.connector, into, *args, pieces, *tail)
+            if rank == 0  # a shard fills the same blocks of its own cache
+            else self.shards[rank - 1].pull_pieces.remote(into.blocks, *args, pieces, *tail)
             for rank, pieces in by_rank.items()
         ]
         results = await asyncio.gather(*parts, return_exceptions=True)

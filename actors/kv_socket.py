@@ -28,8 +28,8 @@ import threading
 
 import torch
 
-from kvray.actors.connectors import KVConnector, KVPullError, KVSource, PeerLinks, check_start, piece_buffer
-from kvray.engine.kv_transfer import layer_chunks, pack_blocks, unpack_blocks
+from kvray.actors.connectors import KVConnector, KVPullError, KVSource, PeerLinks, check_start
+from kvray.engine.kv_transfer import layer_chunks
 from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
@@ -104,24 +104,21 @@ class SocketServer:
         source = self.source
         if "id" not in request:  # a piece: the pin is held by the worker's driver
             layers, heads = range(*request["layers"]), range(*request["heads"])
-            data = pack_blocks(source.kv_cache, request["blocks"], layers, heads).cpu()
+            data = source.views.of(request["blocks"]).pack(layers, heads).cpu()
             conn.sendall(COUNT.pack(data.numel() * data.element_size()))
             conn.sendall(byte_view(data))
             return data.numel() * data.element_size()
-        blocks = source.begin(request["id"])
-        if blocks is None:
-            conn.sendall(COUNT.pack(0))
-            return 0
-        try:
+        with source.views.pinned(request["id"]) as blocks:
+            if blocks is None:
+                conn.sendall(COUNT.pack(0))
+                return 0
             conn.sendall(COUNT.pack(source.layout.packed_bytes(len(blocks))))
             sent = 0
             for layers in layer_chunks(source.layout, len(blocks)):
-                data = pack_blocks(source.kv_cache, blocks, layers).cpu()
+                data = blocks.pack(layers).cpu()
                 conn.sendall(byte_view(data))
                 sent += data.numel() * data.element_size()
             return sent
-        finally:
-            source.pins.end_read(request["id"])
 
     def close(self) -> None:
         self.listener.close()
@@ -201,7 +198,7 @@ class SocketConnector(KVConnector):
         (nbytes,) = COUNT.unpack(count)
         return 0 if nbytes == 0 else await receive(sock, nbytes)
 
-    async def pull(self, ticket, prefill, kv_cache, dst_blocks):
+    async def pull(self, ticket, prefill, into):
         layout = ticket.layout
         n = len(ticket.block_ids)
         chunks = layer_chunks(layout, n)
@@ -213,7 +210,7 @@ class SocketConnector(KVConnector):
             for layers in chunks:
                 buf = torch.empty((len(layers), *shape), dtype=layout.torch_dtype)
                 await recv_into(sock, byte_view(buf))
-                unpack_blocks(kv_cache, dst_blocks, buf, layers)
+                into.unpack(buf, layers)
             return nbytes
 
         try:
@@ -226,9 +223,9 @@ class SocketConnector(KVConnector):
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")
         return moved
 
-    async def pull_piece(self, source_id, source, src_blocks, dst_blocks, src, dst, kv_cache, start_by):
+    async def pull_piece(self, source_id, source, src_blocks, src, into, dst, start_by):
         layers, heads = dst
-        buf = piece_buffer(kv_cache, dst, len(dst_blocks), "cpu")  # staged through host memory
+        buf = into.empty_piece(layers, heads, "cpu")  # staged through host memory
         (src_layers, src_heads) = src
         request = {
             "blocks": list(src_blocks),
@@ -240,7 +237,7 @@ class SocketConnector(KVConnector):
             if nbytes != buf.numel() * buf.element_size():
                 raise KVPullError(f"{nbytes} bytes offered for a piece of {buf.numel() * buf.element_size()}")
             await recv_into(sock, byte_view(buf))
-            unpack_blocks(kv_cache, dst_blocks, buf, layers, heads)
+            into.unpack(buf, layers, heads)
             return nbytes
 
         try:

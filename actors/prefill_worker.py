@@ -29,7 +29,7 @@ class PrefillWorker(EngineWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         llm = self.llm
-        self.source = KVSource(llm.pins, llm.kv_cache, llm.device, llm.kv_layout)
+        self.source = KVSource(llm.kv_views, llm.kv_layout)
         self.holds: dict[str, asyncio.TimerHandle] = {}  # pins held for sharded pulls
         self.ttft = RecentMean()  # seconds from arrival here to the first token
 
@@ -96,7 +96,7 @@ class PrefillWorker(EngineWorker):
         (or the policy's hold, should the decode side vanish). None: lease over."""
         if request_id in self.holds:
             return None
-        blocks = self.llm.pins.begin_read(request_id)
+        blocks = self.llm.kv_views.hold(request_id)
         if blocks is not None:
             loop = asyncio.get_running_loop()
             self.holds[request_id] = loop.call_later(self.lease.hold_s, self._end_hold, request_id)
@@ -106,7 +106,7 @@ class PrefillWorker(EngineWorker):
         timer = self.holds.pop(request_id, None)
         if timer is not None:
             timer.cancel()
-            self.llm.pins.end_read(request_id)
+            self.llm.kv_views.unhold(request_id)
 
     async def shard_handles(self) -> list:
         return self.shards

@@ -27,6 +27,7 @@ from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.configs import KVTransferConfig
 from kvray.engine import EngineConfig
 from kvray.engine.kv_transfer import KVLayout, KVPiece, kv_layout_of
+from kvray.engine.kv_views import BlockView, KVViews
 from kvray.engine.model_runner import build_runner, engine_device
 from kvray.models.loader import load_config, resolve_model_path
 from kvray.models.parallel import ShardContext, ShardSpec
@@ -123,7 +124,8 @@ class ShardWorker:
         self.runner = built.result()
         self.shard_id = f"{worker_id}/{rank}"
         layout = kv_layout_of(hf_config, spec, config.block_size, self.runner.dtype, self.runner.kv_quant)
-        self.source = KVSource(None, self.runner.kv_cache, self.runner.device, layout)
+        self.views = KVViews(self.runner.kv_cache)  # no pins: the worker's driver holds them
+        self.source = KVSource(self.views, layout)
         kv = KVTransferConfig(**kv_config)
         backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
         self.host = node_ip()  # this shard's node (its driver's may be another)
@@ -164,20 +166,19 @@ class ShardWorker:
         return socket_address(self.source, self.host, self.connector.config.pull_timeout_seconds)
 
     # KV destination side (this shard's slice of a decode worker's cache)
-    async def pull_pieces(self, *args) -> int:
-        return await pull_pieces(self.connector, self.runner.kv_cache, *args)
+    async def pull_pieces(self, dst_blocks: list[int], *args) -> int:
+        return await pull_pieces(self.connector, self.views.of(dst_blocks), *args)
 
 
 async def pull_pieces(
     connector,
-    kv_cache: torch.Tensor,
+    into: BlockView,
     sources: list,  # prefill shard handles by rank (rank 0: the prefill worker)
     source_ids: list[str],
     pieces: list[KVPiece],
     src_layout: KVLayout,
     dst_layout: KVLayout,
     src_blocks: list[int],
-    dst_blocks: list[int],
     start_by: float,
 ) -> int:
     """One decode shard's part of a pull: each piece from its prefill shard, the pieces
@@ -191,10 +192,9 @@ async def pull_pieces(
             source_ids[piece.src_rank],
             sources[piece.src_rank],
             src_blocks,
-            dst_blocks,
             (src_layers, src_heads),
+            into,
             (dst_layers, dst_heads),
-            kv_cache,
             start_by,
         )
 

@@ -25,8 +25,8 @@ import torch
 from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
 from kvray.engine.engine_commands import Abort, AddPrefilled, AddRequest, Call, Command
-from kvray.engine.kv_handoff import PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket
+from kvray.engine.kv_views import KVViews
 from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from kvray.engine.output_stream import OutputSink, OutputStream
 from kvray.engine.outputs import RequestOutput, TokenLogprobs
@@ -195,9 +195,10 @@ class AsyncLLM:
     # ---- what a worker may see of the engine (nothing else reaches inside) ------------
 
     @property
-    def kv_cache(self) -> torch.Tensor:
-        """[num_layers, 2, num_blocks, block_size, Hkv, D]: what KV transfers read and write."""
-        return self.engine.runner.kv_cache
+    def kv_views(self) -> KVViews:
+        """The cache as views of one transfer's blocks (pinned prompts, reserved blocks):
+        all a KV transport reads or writes of it (engine/kv_views.py)."""
+        return self._kv_views
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -206,11 +207,6 @@ class AsyncLLM:
     @property
     def device(self) -> torch.device:
         return self.engine.device
-
-    @property
-    def pins(self) -> PinTable:
-        """Prefilled prompts' pinned blocks (thread-safe: transfers read it)."""
-        return self.engine.pins
 
     @property
     def limits(self) -> RequestLimits:
@@ -327,6 +323,7 @@ class AsyncLLM:
         except BaseException as e:
             built.set_exception(e)
             return
+        self._kv_views = KVViews(self.engine.runner.kv_cache, self.engine.pins)
         built.set_result(None)
         self._loop(self.engine)
 

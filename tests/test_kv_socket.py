@@ -19,6 +19,7 @@ from kvray.actors.kv_socket import COUNT, LENGTH, SocketConnector, socket_addres
 from kvray.configs import KVTransferConfig
 from kvray.engine.kv_handoff import PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket
+from kvray.engine.kv_views import BlockView, KVViews
 
 HOST = "127.0.0.1"
 
@@ -38,10 +39,23 @@ class Peer:
         self.address = socket_address(source, HOST, timeout_s)
 
 
-def make_source(layout: KVLayout, num_blocks: int, seed: int = 0) -> KVSource:
-    torch.manual_seed(seed)
-    cache = torch.randn(layout.packed_shape(num_blocks)).to(layout.torch_dtype)
-    return KVSource(PinTable(), cache, torch.device("cpu"), layout)
+class Source(KVSource):
+    """A source with the test's handles on what its engine keeps: the cache and the pins."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, seed: int = 0):
+        torch.manual_seed(seed)
+        self.cache = torch.randn(layout.packed_shape(num_blocks)).to(layout.torch_dtype)
+        self.pins = PinTable()
+        super().__init__(KVViews(self.cache, self.pins), layout)
+
+
+def make_source(layout: KVLayout, num_blocks: int, seed: int = 0) -> Source:
+    return Source(layout, num_blocks, seed)
+
+
+def into(cache: torch.Tensor, blocks: list[int]) -> BlockView:
+    """The decode side's reserved blocks of its cache"""
+    return KVViews(cache).of(blocks)
 
 
 def pin(source: KVSource, request_id: str, blocks: list[int]) -> KVTicket:
@@ -67,10 +81,10 @@ def test_a_pull_copies_the_pinned_blocks_exactly_and_counts_the_bytes(dtype):
     dst_blocks = list(range(59, 19, -1))
     connector = SocketConnector("dst", KVTransferConfig(pull_timeout_seconds=5), HOST, "gloo")
 
-    moved = asyncio.run(connector.pull(ticket, Peer(source), dst_cache, dst_blocks))
+    moved = asyncio.run(connector.pull(ticket, Peer(source), into(dst_cache, dst_blocks)))
 
     assert moved == layout.packed_bytes(len(src_blocks)) == source.bytes_sent
-    assert torch.equal(dst_cache[:, :, dst_blocks], source.kv_cache[:, :, src_blocks])
+    assert torch.equal(dst_cache[:, :, dst_blocks], source.cache[:, :, src_blocks])
     untouched = [b for b in range(60) if b not in dst_blocks]
     assert not dst_cache[:, :, untouched].any()
     assert source.pins.pins["r1"].readers == 0  # the read ended with the pull
@@ -83,18 +97,18 @@ def test_pieces_move_given_layers_and_heads_and_a_gone_lease_is_a_pull_error():
     async def scenario():
         # layers 1-2, heads 2-3 of source blocks [3, 7] into layers 0-1, heads 0-1 of [5, 6]
         moved = await connector.pull_piece(
-            "src", peer, [3, 7], [5, 6], (range(1, 3), range(2, 4)), (range(0, 2), range(0, 2)), dst,
+            "src", peer, [3, 7], (range(1, 3), range(2, 4)), into(dst, [5, 6]), (range(0, 2), range(0, 2)),
             time.time() + 60,
         )  # fmt: skip
         assert moved == 2 * 2 * 2 * 16 * 2 * 8 * 4
-        assert torch.equal(dst[0:2, :, [5, 6], :, 0:2], source.kv_cache[1:3, :, [3, 7], :, 2:4])
+        assert torch.equal(dst[0:2, :, [5, 6], :, 0:2], source.cache[1:3, :, [3, 7], :, 2:4])
         assert dst.count_nonzero() == dst[0:2, :, [5, 6], :, 0:2].count_nonzero()
         ticket = pin(source, "late", [1, 2])
         source.pins.pop("late")  # the lease ended before the pull
         with pytest.raises(KVPullError, match="lease of late ended"):
-            await connector.pull(ticket, peer, dst, [0, 1])
+            await connector.pull(ticket, peer, into(dst, [0, 1]))
         ticket = pin(source, "on-time", [1, 2])  # the same connection serves the next pull
-        assert await connector.pull(ticket, peer, dst, [0, 1]) == layout.packed_bytes(2)
+        assert await connector.pull(ticket, peer, into(dst, [0, 1])) == layout.packed_bytes(2)
         assert len(connector.links.links) == 1
 
     asyncio.run(scenario())
@@ -122,13 +136,15 @@ def test_a_peer_that_drops_the_connection_fails_the_pull_and_the_next_pull_recon
         serving = asyncio.ensure_future(dropper.serve_once())
         started = time.monotonic()
         with pytest.raises(KVPullError, match="tcp pull of r1 failed"):
-            await connector.pull(pin(source, "r1", [0, 1]), peer, dst, [2, 3])
+            await connector.pull(pin(source, "r1", [0, 1]), peer, into(dst, [2, 3]))
         assert time.monotonic() - started < 2.0  # closed: fails at once, not at the timeout
         await serving
         assert connector.links.links == {}  # the broken connection is forgotten
         peer.address = real
-        assert await connector.pull(pin(source, "r2", [0, 1]), peer, dst, [2, 3]) == layout.packed_bytes(2)
-        assert torch.equal(dst[:, :, [2, 3]], source.kv_cache[:, :, [0, 1]])
+        assert await connector.pull(
+            pin(source, "r2", [0, 1]), peer, into(dst, [2, 3])
+        ) == layout.packed_bytes(2)
+        assert torch.equal(dst[:, :, [2, 3]], source.cache[:, :, [0, 1]])
 
     asyncio.run(scenario())
     dropper.listener.close()
