@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from kvray.actors.messages import Delta, EngineRequest, PrefillResult
 from kvray.actors.worker import WorkerLeavingError
@@ -198,14 +199,14 @@ class Frontend:
     async def _prefill(
         self, req: EngineRequest, key, touched: dict, deadline: float
     ) -> tuple[object, PrefillResult]:
-        tried: list[str] = []
-        while True:
-            wid, handle = await self._route("prefill", key, tried, deadline, len(req.prompt_token_ids))
-            touched[wid] = handle
-            try:
-                return handle, await _until(handle.prefill.remote(req), deadline, req.request_id)
-            except RETRYABLE:
-                self._retry(tried, wid)
+        num_tokens = len(req.prompt_token_ids)
+        async with aclosing(self._attempts("prefill", key, [], touched, deadline, num_tokens)) as workers:
+            async for _, handle in workers:
+                try:
+                    return handle, await _until(handle.prefill.remote(req), deadline, req.request_id)
+                except RETRYABLE:
+                    continue
+        raise AssertionError("unreachable: _attempts ends by raising")
 
     async def _run_on(
         self,
@@ -220,42 +221,54 @@ class Frontend:
     ) -> AsyncIterator[Delta]:
         """Start the request on a worker of `role` (not one of `exclude`) and yield its
         deltas until the last. `to_compute`: the tokens the worker computes for it before
-        its next token (counted while it waits for a worker to join the pool)."""
-        tried: list[str] = list(exclude)
-        while True:
-            wid, handle = await self._route(role, key, tried, deadline, to_compute)
-            touched[wid] = handle
-            inbox = self._inbox(wid, handle)
-            box = inbox.register(req.request_id)
-            produced = False
-            try:
+        its next token (counted while it waits for a worker to join the pool). A worker
+        that fails before its first delta is retried elsewhere; one that dies after it is
+        a WorkerDiedError (the caller migrates the request)."""
+        attempts = self._attempts(role, key, list(exclude), touched, deadline, to_compute)
+        async with aclosing(attempts) as workers:
+            async for wid, handle in workers:
+                inbox = self._inbox(wid, handle)
+                box = inbox.register(req.request_id)
+                produced = False
                 try:
-                    await _until(start(handle), deadline, req.request_id)
-                except RETRYABLE:
-                    self._retry(tried, wid)
-                    continue
-                gone = None
-                while gone is None:
-                    items = await _until(box.take(), deadline, req.request_id)
-                    deltas = [d for d in items if not isinstance(d, Gone)]
-                    gone = next((g for g in items if isinstance(g, Gone)), None)
-                    if deltas:
-                        produced = True
-                        delta = join(deltas)
-                        yield delta
-                        if delta.finish_reason is not None:
-                            return
-                if produced:
-                    raise WorkerDiedError(f"{role} worker {wid} died while streaming {req.request_id}", wid)
-                self._retry(tried, wid)
-            finally:
-                inbox.unregister(req.request_id)
+                    try:
+                        await _until(start(handle), deadline, req.request_id)
+                    except RETRYABLE:
+                        continue
+                    gone = None
+                    while gone is None:
+                        items = await _until(box.take(), deadline, req.request_id)
+                        deltas = [d for d in items if not isinstance(d, Gone)]
+                        gone = next((g for g in items if isinstance(g, Gone)), None)
+                        if deltas:
+                            produced = True
+                            delta = join(deltas)
+                            yield delta
+                            if delta.finish_reason is not None:
+                                return
+                    if produced:
+                        raise WorkerDiedError(
+                            f"{role} worker {wid} died while streaming {req.request_id}", wid
+                        )
+                finally:
+                    inbox.unregister(req.request_id)
 
-    def _retry(self, tried: list[str], worker_id: str) -> None:
-        tried.append(worker_id)
-        self.num_retries += 1
-        if len(tried) > self.config.router.max_retries:
-            raise NoWorkerError(f"gave up after {len(tried)} workers failed: {sorted(tried)}")
+    async def _attempts(
+        self, role: str, key, tried: list[str], touched: dict, deadline: float, num_tokens: int
+    ) -> AsyncIterator[tuple[str, object]]:
+        """The front's one retry rule: workers of `role` to try in turn, each one the
+        Router picks among those not `tried` (and recorded in `touched`, who must hear of
+        an abort). Asking for the next means the last one failed before it served the
+        request (it refused, died or vanished); after router.max_retries failures,
+        NoWorkerError."""
+        while True:
+            wid, handle = await self._route(role, key, tried, deadline, num_tokens)
+            touched[wid] = handle
+            yield wid, handle
+            tried.append(wid)
+            self.num_retries += 1
+            if len(tried) > self.config.router.max_retries:
+                raise NoWorkerError(f"gave up after {len(tried)} workers failed: {sorted(tried)}")
 
     async def _route(
         self, role: str, key, exclude: list[str], deadline: float, num_tokens: int

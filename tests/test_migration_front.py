@@ -318,3 +318,39 @@ def test_http_errors_of_deadlines_and_missing_workers():
     body = failed.body()["error"]
     assert failed.status == 500 and body["type"] == "internal_server_error"
     assert "cmpl-1" in body["message"] and "IndexError" not in body["message"]  # the cause stays in the log
+
+
+def test_prefills_and_starts_refused_before_any_output_are_retried_until_max_retries():
+    """One retry rule for both legs (Frontend._attempts): a refused prefill goes to the
+    next prefill worker, a refused start to the next worker; after router.max_retries
+    refusals the request fails saying which workers it tried."""
+    from test_serve_metrics import FakeWorker
+
+    from kvray.router.frontend import NoWorkerError
+
+    class RefusingPrefill(FakeWorker):
+        def _prefill(self, req):
+            return RefusingWorker._generate(self, req)
+
+    workers = [
+        RefusingPrefill("prefill-0", "prefill"),
+        FakeWorker("prefill-1", "prefill"),
+        FakeWorker("decode-0", "decode"),
+    ]
+    front = Frontend(FakeRouter(workers), DeploymentConfig(disaggregated=True), "front-0")
+    assert _run(front) == ("abc", [11, 12, 13], "length")
+    assert front.num_retries == 1
+
+    class Counted(RefusingWorker):
+        def _generate(self, req):
+            self.requests.append(req)
+            return super()._generate(req)
+
+    refusing = [Counted(f"mixed-{i}") for i in range(4)]
+    config = DeploymentConfig(disaggregated=False, router={"max_retries": 2})
+    front = Frontend(FakeRouter(refusing), config, "front-0")
+    with pytest.raises(
+        NoWorkerError, match=r"gave up after 3 workers failed: \['mixed-0', 'mixed-1', 'mixed-2'\]"
+    ):
+        _run(front)
+    assert [len(w.requests) for w in refusing] == [1, 1, 1, 0]
