@@ -6,7 +6,9 @@ aborts the request and frees its blocks. A caller that serves many requests (an 
 worker) passes one `sink` instead: after each step it gets the outputs of all its requests
 in one call on its own loop, not one hand-over per request. Only the loop thread touches the engine (and
 its tokenizer): callers hand commands over through a queue and await the answer, so a
-bad request raises in the caller and never disturbs the requests already running.
+bad request raises in the caller and never disturbs the requests already running. The
+loop thread's side (running the commands, handing outputs to sinks) is engine/dispatch.py;
+this module keeps the thread, its liveness and the callers' API.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
 import torch
 
 from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
+from kvray.engine.dispatch import Dispatcher, settle
 from kvray.engine.engine_commands import Abort, AddPrefilled, AddRequest, Call, Command
 from kvray.engine.kv_transfer import KVLayout, KVTicket
 from kvray.engine.kv_views import KVViews
@@ -50,8 +53,7 @@ class AsyncLLM:
         self._on_failure = on_failure
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, OutputSink] = {}  # request id -> where its outputs go
-        self._rooms: dict[str, Future] = {}  # prefilled request waiting for blocks -> its future
+        self._dispatch: Dispatcher  # the loop thread's side (engine/dispatch.py), built with the engine
         self._stopped = False
         self.error: EngineDeadError | None = None  # set once the engine can no longer serve
         self._dying = threading.Lock()
@@ -296,26 +298,10 @@ class AsyncLLM:
         logger.error("kvray engine: can no longer serve (%s)", error, exc_info=cause)
         if self._on_failure is not None:
             self._on_failure(error)
-        self._fail_streams(error)
+        self._dispatch.fail(error)
         for command in stranded:  # their callers get the error
             for future in command.futures():
-                _settle(future, error=error)
-
-    def _fail_streams(self, error: EngineDeadError) -> None:
-        """Fail every request's sink, each once (any thread: the loop thread may still be
-        finishing a slow step when the watchdog gives up on it; the loop sweeps again as it
-        ends, for a request it took in meanwhile)."""
-        failed: dict[int, tuple[OutputSink, list[str]]] = {}
-        for rid in list(self._streams):
-            sink = self._streams.pop(rid, None)
-            if sink is not None:
-                failed.setdefault(id(sink), (sink, []))[1].append(rid)
-        for sink, rids in failed.values():
-            sink.loop.call_soon_threadsafe(sink.fail, rids, error)
-        for rid in list(self._rooms):  # no blocks will come (the pins lapse)
-            room = self._rooms.pop(rid, None)
-            if room is not None:
-                _settle(room, None)
+                settle(future, error=error)
 
     def _run(self, config: EngineConfig, engine_kwargs: dict, built: Future) -> None:
         try:
@@ -324,6 +310,7 @@ class AsyncLLM:
             built.set_exception(e)
             return
         self._kv_views = KVViews(self.engine.runner.kv_cache, self.engine.pins)
+        self._dispatch = Dispatcher(self.engine)
         built.set_result(None)
         self._loop(self.engine)
 
@@ -333,18 +320,19 @@ class AsyncLLM:
         vouch for, so its requests move to other workers instead (what one request's own
         rows get wrong is contained inside the step: LLMEngine.step)."""
         trace = StepTrace(engine.config.step_trace_dir) if engine.config.step_trace_dir else None
+        dispatch = self._dispatch
         try:
             while not self._stopped and self.error is None:
                 self._busy_since = start = time.monotonic()
                 start_cpu = time.thread_time() if trace is not None else 0.0
-                self._drain_commands()
-                self._grant_rooms(engine.handoff_step())
-                self._publish(engine.take_pending_outputs())
+                dispatch.drain(self._commands)
+                dispatch.grant_rooms(engine.handoff_step())
+                dispatch.publish(engine.take_pending_outputs())
                 if not engine.has_unfinished_requests():
                     self._idle(0.5)
                     continue
                 outputs = engine.step()
-                self._publish(outputs)
+                dispatch.publish(outputs)
                 if trace is not None and engine.last_shape:
                     trace.write(engine.last_shape, time.monotonic() - start, time.thread_time() - start_cpu)
                 if engine.last_step is None or engine.last_step.num_batched_tokens == 0:
@@ -354,11 +342,8 @@ class AsyncLLM:
         finally:
             self._busy_since = None
             if self.error is not None:  # requests it took in while the watchdog gave up on it
-                self._fail_streams(self.error)
-            for rid in list(self._rooms):  # stopped: no blocks will come (the pins lapse)
-                room = self._rooms.pop(rid, None)
-                if room is not None:
-                    _settle(room, None)
+                dispatch.fail(self.error)
+            dispatch.release_rooms()  # stopped: no blocks will come (the pins lapse)
             if trace is not None:
                 trace.close()
             if self.error is None:
@@ -369,110 +354,7 @@ class AsyncLLM:
         self._wake.wait(timeout=timeout)
         self._wake.clear()
 
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            match command:
-                case Call(fn, args, done):
-                    try:
-                        result = fn(*args)
-                    except Exception as e:
-                        _settle(done, error=e)
-                    else:
-                        _settle(done, result)  # a caller that went away still had its call run
-                case AddPrefilled():
-                    self._add_prefilled(command)
-                case AddRequest():
-                    self._add(command)
-                case Abort(request_id):
-                    self._publish(self.engine.abort_request([request_id]))
-
-    def _add(self, add: AddRequest) -> None:
-        try:
-            self.engine.add_request(
-                add.request_id,
-                add.prompt,
-                add.params,
-                priority=add.priority,
-                deadline=add.deadline,
-                kv_lease=add.kv_lease,
-                generated_token_ids=add.generated_token_ids,
-                matchers=add.matchers,
-            )
-        except Exception as e:
-            _settle(add.accepted, error=e)
-            return
-        self._streams[add.request_id] = add.sink
-        if not _settle(add.accepted, None):  # the caller was cancelled meanwhile
-            self._publish(self.engine.abort_request([add.request_id]))
-
-    def _add_prefilled(self, add: AddPrefilled) -> None:
-        engine, rid, room = self.engine, add.request_id, add.room
-        try:
-            blocks = engine.add_prefilled_request(
-                rid,
-                add.prompt,
-                add.params,
-                add.first_token,
-                add.first_logprobs,
-                pull_deadline=add.pull_deadline,
-                matchers=add.matchers,
-            )
-        except Exception as e:
-            _settle(add.accepted, error=e)
-            return
-        self._streams[rid] = add.sink
-        if not _settle(add.accepted, None):  # the caller left: nobody will pull or read
-            self._publish(engine.abort_request([rid]))
-            if blocks is not None:
-                engine.finish_kv_pull(rid, ok=False)
-            blocks = None
-        if engine.waits_for_room(rid):
-            self._rooms[rid] = room  # settled by _grant_rooms
-        else:
-            self._give_room(rid, room, blocks)
-
-    def _grant_rooms(self, rooms: list[tuple[str, list[int] | None]]) -> None:
-        """Blocks freed since the last step go to the prefilled requests waiting to pull."""
-        for rid, blocks in rooms:
-            room = self._rooms.pop(rid, None)
-            if room is not None:  # (None: the engine failed meanwhile, its waiters released)
-                self._give_room(rid, room, blocks)
-
-    def _give_room(self, rid: str, room: Future, blocks: list[int] | None) -> None:
-        if not _settle(room, blocks) and blocks is not None:  # nobody left to pull into them
-            self.engine.finish_kv_pull(rid, ok=False)
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Hand each sink its outputs of this step in one call on its loop."""
-        batches: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
-        for out in outputs:
-            sink = self._streams.get(out.request_id)
-            if sink is None:
-                continue
-            batches.setdefault(id(sink), (sink, []))[1].append(out)
-            if out.finished:
-                self._streams.pop(out.request_id, None)  # (the watchdog may have taken it)
-        for sink, batch in batches.values():
-            sink.loop.call_soon_threadsafe(sink.put_many, batch)
-
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
-
-
-def _settle(future: Future, result=None, error: BaseException | None = None) -> bool:
-    """Resolve a caller's future; False when the caller had already cancelled it (an actor
-    task cancelled by Ray), which must not take the loop thread down."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-        return True
-    except InvalidStateError:
-        return False
