@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from kvray.engine.llm_engine import EngineStats
+from kvray.engine.engine_stats import EngineStats
 
 WINDOW_S = 30.0
 

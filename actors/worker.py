@@ -34,8 +34,8 @@ from kvray.actors.shard_group import start_shards
 from kvray.actors.signals import engine_load
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
+from kvray.engine.engine_stats import EngineStats
 from kvray.engine.kv_handoff import LeasePolicy
-from kvray.engine.llm_engine import EngineStats
 from kvray.engine.request_limits import RequestLimits
 from kvray.errors import EngineDeadError, KvrayError
 from kvray.timeouts import wait_for

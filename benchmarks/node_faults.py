@@ -31,7 +31,8 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_harness import cpu_banner  # noqa: E402
 
-from kvray.cluster.netns import NamespaceCluster, kvray_command  # noqa: E402
+from kvray.cluster.netns import NamespaceCluster  # noqa: E402
+from kvray.cluster.netns_tools import kvray_command  # noqa: E402
 from kvray.engine import LLM, SamplingParams  # noqa: E402
 from kvray.router.ingress_parts import PRESETS  # noqa: E402
 

@@ -20,13 +20,11 @@ deletes them, and removes the temp dirs, also after a failure halfway up.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -34,42 +32,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvray.cluster.local import QUIET_LOCAL_RAY
+from kvray.cluster.netns_tools import (
+    NetnsError,
+    check_can_run,
+    ensure_debian_package,
+    enter_namespace,
+    kill_namespace,
+    namespaces,
+    parse_rate,
+    ray_command,
+    sh,
+)
 from kvray.errors import InvalidArgumentError
 
 RAY_PORT = 6379
-CLONE_NEWNET = 0x40000000
 NODE_UNSET = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "KVRAY_HOST", "RAY_ADDRESS")
 STATE_ROOT = Path("/tmp")  # where a cluster's temp dirs and its state file live
 # every node's Ray: no token auth or usage stats on this private cluster, its background
 # work turned down as `kvray serve` does for its local Ray
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **QUIET_LOCAL_RAY}
-
-
-class NetnsError(RuntimeError):
-    pass
-
-
-def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise NetnsError(f"{' '.join(argv)}: {done.stderr.strip() or done.stdout.strip()}")
-    return done
-
-
-def ensure_debian_package(command: str, package: str) -> None:
-    """Install `package` from Debian's registry when `command` is not on PATH."""
-    if shutil.which(command) or Path("/usr/sbin", command).exists():
-        return
-    sh("apt-get", "install", "-y", "-q", "--no-install-recommends", package)
-
-
-def check_can_run() -> str | None:
-    """Why namespaces cannot be made here, or None."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "iproute2 (`ip`, `tc`) is not installed"
-    return None
 
 
 @dataclass
@@ -362,36 +343,6 @@ class NamespaceCluster:
             raise NetnsError(f"no namespace cluster named {name!r} ({path} is missing)") from None
 
 
-def enter_namespace(ns: str) -> None:
-    """Move the calling thread (only it) into network namespace `ns` for good."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    with open(f"/var/run/netns/{ns}") as f:
-        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
-            raise NetnsError(f"setns({ns}): {os.strerror(ctypes.get_errno())}")
-
-
-def namespaces() -> list[str]:
-    return [line.split()[0] for line in sh("ip", "netns", "list", check=False).stdout.splitlines() if line]
-
-
-def kill_namespace(ns: str) -> int:
-    """SIGKILL what runs in `ns` until nothing does (a dying Ray can still fork)."""
-    killed = 0
-    for _ in range(50):
-        pids = [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
-        pids = [p for p in pids if p != os.getpid()]
-        if not pids:
-            return killed
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-    raise NetnsError(f"processes in {ns} survive SIGKILL")
-
-
 def teardown(name: str) -> None:
     """Remove every namespace `<name>-*` (processes first) and the cluster's temp dirs."""
     ours = [ns for ns in namespaces() if ns.startswith(f"{name}-")]
@@ -402,23 +353,3 @@ def teardown(name: str) -> None:
     shutil.rmtree(STATE_ROOT / f"kvray-netns-{name}", ignore_errors=True)
     for launcher_state in Path("/tmp").glob(f"cluster-{name}.*"):  # Ray's local provider (`ray up`)
         launcher_state.unlink(missing_ok=True)
-
-
-def parse_rate(rate: str) -> int:
-    """tc's rate spelling (`100mbit`, `1gbit`, `10gbit`, `500kbit`) in bits per second."""
-    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
-    text = rate.strip().lower()
-    for unit, scale in units.items():
-        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * scale)
-    raise InvalidArgumentError("rate", rate, "a rate such as 100mbit, 1gbit or 10gbit")
-
-
-def ray_command(name: str = "ray") -> str:
-    """The `ray` (or `name`) script of this interpreter's environment."""
-    here = Path(sys.executable).parent / name
-    return str(here) if here.exists() else shutil.which(name) or name
-
-
-def kvray_command() -> str:
-    return ray_command("kvray")

@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvray.cluster.netns import RAY_ENV, NamespaceCluster, NetnsError, ensure_debian_package, sh
+from kvray.cluster.netns import RAY_ENV, NamespaceCluster
+from kvray.cluster.netns_tools import NetnsError, ensure_debian_package, sh
 
 SSH_OPTIONS = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
                "-o", "ConnectTimeout=2", "-o", "LogLevel=ERROR"]  # fmt: skip

@@ -28,9 +28,10 @@ from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
 from kvray.engine.dispatch import Dispatcher, settle
 from kvray.engine.engine_commands import Abort, AddPrefilled, AddRequest, Call, Command
+from kvray.engine.engine_stats import EngineStats
 from kvray.engine.kv_transfer import KVLayout, KVTicket
 from kvray.engine.kv_views import KVViews
-from kvray.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+from kvray.engine.llm_engine import LLMEngine, PromptInput
 from kvray.engine.output_stream import OutputSink, OutputStream
 from kvray.engine.outputs import RequestOutput, TokenLogprobs
 from kvray.engine.request_limits import RequestLimits

@@ -7,16 +7,15 @@ scheduled, so one bad request never disturbs the others.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kvray.engine.block_pool import KVCacheStats
 from kvray.engine.config import EngineConfig
 from kvray.engine.draft_proposer import DraftProposer
+from kvray.engine.engine_stats import EngineStats, StepStats, engine_stats
 from kvray.engine.kv_cache_manager import KVCacheManager
 from kvray.engine.kv_handoff import KVHandoff, PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket, kv_layout_of
@@ -36,30 +35,6 @@ from kvray.models.loader import load_config, load_tokenizer, resolve_model_path
 from kvray.models.parallel import ShardContext
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    num_batched_tokens: int
-    num_running: int
-    num_waiting: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What a worker reports of its engine (read between steps)."""
-
-    num_running: int
-    num_waiting: int
-    queued_prompt_tokens: int  # prompt tokens admitted or waiting, not yet computed
-    kv: KVCacheStats
-    num_pinned: int  # prefilled prompts held for a decode worker's pull
-    num_pulling: int  # prompts whose KV is arriving here, or waits for blocks to arrive in
-    num_kv_recomputes: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    spec_decode: SpecDecodeStats  # a copy: drafts verified, tokens proposed and kept
 
 
 class LLMEngine:
@@ -302,21 +277,7 @@ class LLMEngine:
         return self.kv.stats()
 
     def stats(self) -> EngineStats:
-        sched = self.scheduler
-        requests = [*sched.waiting, *sched.running]
-        return EngineStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + len(self.handoff.waiting),  # (those waiting to pull too)
-            queued_prompt_tokens=sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests),
-            kv=self.kv.stats(),
-            num_pinned=self.handoff.num_pinned,
-            num_pulling=self.handoff.num_pulling,
-            num_kv_recomputes=self.handoff.num_recomputes,
-            prefix_queries=self.kv.prefix_queries,
-            prefix_hits=self.kv.prefix_hits,
-            num_preemptions=sched.num_preemptions,
-            spec_decode=copy.deepcopy(self.spec_stats),
-        )
+        return engine_stats(self)
 
     def take_pending_outputs(self) -> list[RequestOutput]:
         pending, self.pending_outputs = self.pending_outputs, []

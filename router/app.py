@@ -62,8 +62,8 @@ from kvray.router.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    validate_body,
 )
+from kvray.router.request_body import validate_body
 from kvray.router.responses import Usage
 from kvray.router.router_deployment import RouterDeployment
 from kvray.router.streams import all_or_none, merge, sse, unless_disconnected

@@ -94,7 +94,8 @@ def test_pulls_from_a_peer_that_cannot_be_reached_share_one_build_then_fail_at_o
 def test_the_namespace_harness_reads_tc_rates_and_refuses_bad_names_and_rates():
     import pytest
 
-    from kvray.cluster.netns import NamespaceCluster, parse_rate
+    from kvray.cluster.netns import NamespaceCluster
+    from kvray.cluster.netns_tools import parse_rate
     from kvray.errors import InvalidArgumentError
 
     assert [parse_rate(r) for r in ("100mbit", "1gbit", "10Gbit", "1.5gbit", "500kbit")] == [

@@ -25,7 +25,8 @@ import yaml
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from kvray.cluster.netns import NamespaceCluster, check_can_run, kvray_command  # noqa: E402
+from kvray.cluster.netns import NamespaceCluster  # noqa: E402
+from kvray.cluster.netns_tools import check_can_run, kvray_command  # noqa: E402
 from kvray.engine import LLM, SamplingParams  # noqa: E402
 from kvray.router.ingress_parts import PRESETS  # noqa: E402
 

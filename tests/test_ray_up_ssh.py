@@ -18,8 +18,9 @@ import uuid
 
 import pytest
 
-from kvray.cluster.netns import NamespaceCluster, check_can_run, ray_command
+from kvray.cluster.netns import NamespaceCluster
 from kvray.cluster.netns_ssh import node_home, start_ssh, write_ray_up_config
+from kvray.cluster.netns_tools import check_can_run, ray_command
 from kvray.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -198,7 +198,7 @@ def test_a_step_whose_batch_fails_gives_the_others_the_tokens_of_a_clean_run():
 
 def test_the_body_is_walked_for_non_finite_numbers_and_nesting():
     from kvray.router.api_error import APIError
-    from kvray.router.protocol import MAX_BODY_DEPTH, check_body
+    from kvray.router.request_body import MAX_BODY_DEPTH, check_body
 
     check_body({"prompt": [1, 2, 3], "temperature": 0.5, "messages": [{"content": [{"text": "x"}]}]})
     for body, param, words in [
