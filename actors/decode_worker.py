@@ -48,6 +48,7 @@ class DecodeWorker(EngineWorker):
                 handoff.first_logprobs,
                 sink=outbox,
                 pull_deadline=pin_end,
+                priority=req.priority,
             )
         except BaseException:
             outbox.unregister(rid)

@@ -30,6 +30,7 @@ class EngineRequest:
     # a request moved here after its worker died: the tokens it had streamed (recomputed
     # with the prompt; its deltas go on from the next token)
     generated_token_ids: list[int] = field(default_factory=list)
+    priority: int = 0  # under scheduling_policy "priority": lower runs first (vLLM's)
 
 
 @dataclass

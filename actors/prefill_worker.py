@@ -40,7 +40,7 @@ class PrefillWorker(EngineWorker):
         rid = req.request_id
         prompt = {"prompt_token_ids": req.prompt_token_ids}
         stream = await self.llm.add_request(
-            rid, prompt, prefill_params(req.params), kv_lease=self.lease.lease_s
+            rid, prompt, prefill_params(req.params), req.priority, kv_lease=self.lease.lease_s
         )
         final = None
         handed_off = False

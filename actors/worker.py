@@ -166,6 +166,7 @@ class EngineWorker:
                 req.request_id,
                 {"prompt_token_ids": req.prompt_token_ids},
                 req.params,
+                req.priority,
                 sink=outbox,
                 generated_token_ids=req.generated_token_ids,
             )

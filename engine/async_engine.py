@@ -142,6 +142,7 @@ class AsyncLLM:
         first_logprobs: TokenLogprobs | None = None,
         sink: OutputSink | None = None,
         pull_deadline: float | None = None,
+        priority: int = 0,
     ) -> tuple[OutputStream | None, asyncio.Future]:
         """Continue a request prefilled elsewhere (see LLMEngine.add_prefilled_request);
         returns, once it is accepted, its stream (None with a `sink`) and a future of the
@@ -163,6 +164,7 @@ class AsyncLLM:
                 pull_deadline,
                 accepted,
                 room,
+                priority,
             )
         )
         await asyncio.wrap_future(accepted)

@@ -75,6 +75,7 @@ class Dispatcher:
                 add.params,
                 add.first_token,
                 add.first_logprobs,
+                priority=add.priority,
                 pull_deadline=add.pull_deadline,
                 matchers=add.matchers,
             )

@@ -45,6 +45,7 @@ class AddPrefilled:
     pull_deadline: float | None
     accepted: Future
     room: Future  # the blocks to pull the prompt's KV into, or None for no pull
+    priority: int = 0
 
     def futures(self) -> list[Future]:
         return [self.accepted, self.room]

@@ -349,10 +349,12 @@ class OpenAIIngress:
         """ingress_parts.prepare on the ingest threads."""
         return await self._off_loop(prepare, self.config, self.ingest, self.tokenizer, body, chat)
 
-    async def _outputs(self, rid: str, prompt_token_ids: list[int], params, timeout_s: float | None = None):
+    async def _outputs(
+        self, rid: str, prompt_token_ids: list[int], params, timeout_s=None, priority: int = 0
+    ):
         """One engine request's cumulative CompletionOutput after every delta; leaving
         early aborts it everywhere."""
-        gen = self.frontend.generate(rid, prompt_token_ids, params, timeout_s)
+        gen = self.frontend.generate(rid, prompt_token_ids, params, timeout_s, priority)
         try:
             async for out in gen:
                 yield out
@@ -361,9 +363,9 @@ class OpenAIIngress:
         finally:
             await gen.aclose()
 
-    async def _final(self, rid: str, prompt_token_ids: list[int], params, timeout_s: float | None = None):
+    async def _final(self, rid: str, prompt_token_ids: list[int], params, timeout_s=None, priority: int = 0):
         final = None
-        async for final in self._outputs(rid, prompt_token_ids, params, timeout_s):  # noqa: B007 (keep the last)
+        async for final in self._outputs(rid, prompt_token_ids, params, timeout_s, priority):  # noqa: B007 (keep the last)
             pass
         return final
 

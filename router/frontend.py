@@ -101,6 +101,7 @@ class Frontend:
         prompt_token_ids: list[int],
         params: SamplingParams,
         timeout_s: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[CompletionOutput]:
         """Run one request (one sample); yields its CompletionOutput, cumulative, after
         every delta (the same object, grown in place: read it before the next one).
@@ -111,7 +112,7 @@ class Frontend:
         one to join, until the deadline (then NoWorkerError)."""
         deadline = time.monotonic() + (timeout_s or self.config.router.request_timeout_s)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        req = EngineRequest(request_id, prompt_token_ids, params, self.front_id)
+        req = EngineRequest(request_id, prompt_token_ids, params, self.front_id, priority=priority)
         timer = RequestTimer(self.stats, len(prompt_token_ids))
         out = CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None)
         key = prefix_key(prompt_token_ids, self.block_size, self.config.router.affinity_blocks)

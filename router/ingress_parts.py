@@ -35,7 +35,9 @@ RETRY_AFTER_NO_WORKER_S = 5  # seconds: about how long Serve takes to replace a 
 METRICS_PUBLISH_S = 0.2  # an ingress replica publishes its request metrics this soon after a change
 WAITING_REFRESH_S = 2.0  # ... and its waiting requests again this often while any wait
 
-Job = tuple[str, list[int], object, float | None]  # (engine request id, prompt ids, params, timeout)
+Job = tuple[
+    str, list[int], object, float | None, int
+]  # (engine request id, prompt ids, params, timeout, priority)
 
 
 def load_config(config: ServeConfig | dict | str | Path) -> ServeConfig:
@@ -91,6 +93,7 @@ def prepare(config: ServeConfig, ingest, tokenizer, body: dict, chat: bool):
         limit = config.router.max_request_timeout_s
         if req.request_timeout_s is not None and req.request_timeout_s > limit:
             raise InvalidArgumentError("request_timeout_s", req.request_timeout_s, f"(0, {limit:g}] seconds")
+        check_priority(config, req.priority)
         params = req.to_params()
         prompts = ingest.prompts(req)
         ingest.check_room(req, params.max_tokens, prompts)
@@ -107,8 +110,14 @@ def prepare(config: ServeConfig, ingest, tokenizer, body: dict, chat: bool):
     for p, prompt in enumerate(prompts):
         for i in range(req.n):
             sample = params if i == 0 else dataclasses.replace(params, seed=sample_seed(params.seed, i))
-            jobs.append((f"{rid}-{p * req.n + i}", prompt, sample, req.request_timeout_s))
+            jobs.append((f"{rid}-{p * req.n + i}", prompt, sample, req.request_timeout_s, req.priority))
     return req, builder, jobs
+
+
+def check_priority(config: ServeConfig, priority: int) -> None:
+    """A `priority` other than 0 needs every pool to schedule by it (vLLM refuses it so)."""
+    if priority and any(config.engine_config(r).scheduling_policy != "priority" for r in config.roles):
+        raise InvalidArgumentError("priority", priority, "0 (the pools' scheduling_policy is not priority)")
 
 
 def num_prompt_tokens(jobs: list[Job], n: int) -> int:

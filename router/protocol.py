@@ -113,6 +113,9 @@ class _SamplingRequest(BaseModel):
     # kvray: abort the request this many seconds after it arrived (server default:
     # router.request_timeout_s)
     request_timeout_s: float | None = Field(None, gt=0)
+    # vLLM's: under the pools' `scheduling_policy: priority`, lower runs first (ties by
+    # arrival); any other value than 0 needs that policy
+    priority: int = 0
 
     def unknown_fields(self) -> list[str]:
         return sorted(set(self.model_extra or {}) - ACCEPTED_NO_OP)
