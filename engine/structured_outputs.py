@@ -31,23 +31,27 @@ if TYPE_CHECKING:  # torch loads only where masks are applied (the scheduler's s
 FORMATS = ("json", "regex", "choice", "grammar", "json_object")
 CACHE_ENTRIES = 512  # compiled grammars a GrammarCompiler keeps, least recently used out first
 CACHE_BYTES = 64 << 20  # ... and their text (keys and grammars) at most this many bytes
+# llguidance's JSON whitespace under disable_any_whitespace: Python's json.dumps separators
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of: a JSON schema (dict or its JSON text), a regex, a list of choices,
     a grammar (Lark or GBNF/EBNF, llama.cpp's form), or `json_object` (any JSON object).
-    `disable_any_whitespace`: JSON without free whitespace between tokens.
+    `disable_any_whitespace` (the default): JSON as compact JSON with single spaces writes
+    it (`{"a": [1, 2]}`: one space after each `,` and `:`, no other whitespace between
+    tokens); False: any whitespace there, which a sampling model can fill without end.
     `disable_additional_properties`: a schema's objects that list properties and do not
-    say otherwise take only those (as vLLM's option of that name; JSON Schema's default,
-    kept without it, lets a model add keys of its own after them)."""
+    say otherwise take only those (OpenAI's `strict: true`; vLLM's option of that name;
+    JSON Schema's default, kept without it, lets a model add keys of its own after them)."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
     disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
@@ -214,7 +218,7 @@ def _grammar_text(llguidance, params: StructuredOutputsParams) -> str:
             raise ValueError("a JSON schema is an object")
         if kind == "json" and params.disable_additional_properties:
             schema = closed_objects(schema)
-        overrides = {"whitespace_flexible": False} if params.disable_any_whitespace else None
+        overrides = COMPACT if params.disable_any_whitespace else None
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=overrides)
     if kind == "choice":
         return llguidance.grammar_from("choice", json.dumps(list(params.choice)))

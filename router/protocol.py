@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvray.engine import SamplingParams, StructuredOutputsParams
+from kvray.engine.structured_outputs import closed_objects
 from kvray.errors import InvalidArgumentError
 from kvray.router.api_error import APIError
 from kvray.router.request_body import check_body, validate_body
@@ -68,7 +69,7 @@ class StructuredOutputsRequest(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True  # compact JSON (kvray's default; False: free whitespace)
     disable_additional_properties: bool = False
 
     def params(self) -> StructuredOutputsParams:
@@ -317,9 +318,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 "tool_choice", mode, "auto or none when response_format or structured_outputs is given"
             )
         if mode == "named":
-            return StructuredOutputsParams(
-                json=_parameters(self.forced_function()), disable_any_whitespace=True
-            )
+            return StructuredOutputsParams(json=_parameters(self.forced_function()))
         calls = {
             "anyOf": [
                 {
@@ -334,8 +333,7 @@ class ChatCompletionRequest(_SamplingRequest):
         schema = {"type": "array", "items": calls, "minItems": 1}
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1
-        # compact: arguments are read by programs, and free whitespace lets a small model ramble
-        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return StructuredOutputsParams(json=schema)  # compact, as every JSON grammar by default
 
 
 class TokenizeRequest(BaseModel):
@@ -357,7 +355,10 @@ class DetokenizeRequest(BaseModel):
 
 
 def _parameters(f: FunctionDefinition) -> dict:
-    return f.parameters or {"type": "object", "properties": {}}
+    """A function's arguments schema; under `strict: true` its objects take their listed
+    properties only (OpenAI's strict function calling)."""
+    schema = f.parameters or {"type": "object", "properties": {}}
+    return closed_objects(schema) if f.strict else schema
 
 
 def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
@@ -365,7 +366,8 @@ def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
         return StructuredOutputsParams(json_object=True)
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
         raise InvalidArgumentError("response_format.json_schema", None, "{name, schema, strict}")
-    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    strict = bool(fmt.json_schema.strict)  # OpenAI's: the schema exactly, no keys beyond it
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema, disable_additional_properties=strict)
 
 
 def _json_or_text(text: str):

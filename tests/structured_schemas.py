@@ -118,3 +118,19 @@ SCHEMAS = {
 }
 
 PROMPT = "Answer in JSON. Describe something you like."
+
+
+def compact(text: str) -> bool:
+    """Whether JSON `text` is written as compact JSON with single spaces: outside strings,
+    no whitespace but one space right after each `,` and `:` (json.dumps' separators)."""
+    in_string = escaped = False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, in_string) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace() and not (
+            ch == " " and i > 0 and text[i - 1] in ",:" and not text[i + 1 : i + 2].isspace()
+        ):
+            return False
+    return True

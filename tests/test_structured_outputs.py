@@ -259,3 +259,40 @@ def test_async_engine_compiles_off_the_loop_and_fails_in_the_caller(smollm2_path
         assert asyncio.run(go()) in {"yes", "no"}
     finally:
         llm.shutdown()
+
+
+def test_json_is_compact_by_default_and_free_whitespace_is_an_option(llm):
+    """StructuredOutputsParams' default (disable_any_whitespace): the grammar takes JSON as
+    json.dumps writes it and nothing else between tokens; `disable_any_whitespace=False`
+    takes any whitespace there. Checked token by token against the compiled grammar."""
+    from structured_schemas import compact
+
+    engine = llm.engine
+    schema = SCHEMAS["object"]
+
+    def takes(so: StructuredOutputsParams, text: str) -> bool:
+        ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+        matcher = engine.grammars.matcher(so)
+        return (
+            matcher.num_valid(ids) == len(ids)
+            and all(matcher.accept(t) for t in ids)
+            and matcher.is_terminated
+        )
+
+    tight, free = (
+        StructuredOutputsParams(json=schema),
+        StructuredOutputsParams(json=schema, disable_any_whitespace=False),
+    )
+    spaced, bare, pretty = (
+        '{"name": "Ann", "age": 7}',
+        '{"name":"Ann","age":7}',
+        '{\n  "name": "Ann",\n  "age": 7\n}',
+    )
+    assert compact(spaced) and not compact(bare.replace(",", ",  ")) and not compact(pretty)
+    assert takes(tight, spaced) and not takes(tight, bare) and not takes(tight, pretty)
+    assert takes(free, spaced) and takes(free, bare) and takes(free, pretty)
+    # sampled: every answer compact
+    params = SamplingParams(max_tokens=160, temperature=0.9, seed=3, n=4, structured_outputs=tight)
+    for c in llm.generate([PROMPT], params)[0].outputs:
+        assert c.finish_reason == "stop" and compact(c.text), c.text
+        jsonschema.validate(json.loads(c.text), schema)

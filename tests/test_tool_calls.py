@@ -152,6 +152,36 @@ def test_tool_choice_forces_the_functions_schema():
     assert _chat(tools=[WEATHER]).tool_mode == "auto" and _chat().tool_mode == "none"
 
 
+def test_strict_schemas_take_their_listed_keys_only_and_every_json_grammar_is_compact():
+    """OpenAI's `strict: true`, on a response format and on a function: the schema exactly
+    (no keys beyond those listed); without it JSON Schema's default (other keys allowed).
+    Every JSON grammar the API builds is compact unless structured_outputs says otherwise."""
+    extra = {"city": "Paris", "unit": "c", "mood": "sunny"}  # a key the schema does not list
+    for strict in (True, False, None):
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": WEATHER["function"]["parameters"]},
+        }
+        if strict is not None:
+            fmt["json_schema"]["strict"] = strict
+        so = _chat(response_format=fmt).to_params().structured_outputs
+        assert so.disable_any_whitespace and so.disable_additional_properties == bool(strict)
+        tool = {**WEATHER, "function": {**WEATHER["function"], "strict": strict}}
+        forced = _chat(tools=[tool], tool_choice="required").to_params().structured_outputs
+        assert forced.disable_any_whitespace
+        call = [{"name": "get_weather", "parameters": extra}]
+        if strict:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(call, forced.json)
+        else:
+            jsonschema.validate(call, forced.json)
+    assert (
+        _chat(response_format={"type": "json_object"}).to_params().structured_outputs.disable_any_whitespace
+    )
+    free = {"json": {"type": "object"}, "disable_any_whitespace": False}
+    assert not _chat(structured_outputs=free).to_params().structured_outputs.disable_any_whitespace
+
+
 def test_bad_tool_requests_name_the_field():
     with pytest.raises(InvalidArgumentError, match="tool_choice"):
         _chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}).to_params()
