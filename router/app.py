@@ -9,9 +9,10 @@ ingress replica (`num_replicas`) tokenizes and validates once, drives its reques
 through the workers it was given (router/frontend.py) and receives their tokens straight
 from the workers, one batch of deltas per engine step.
 
-HTTP: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Handles: `generate(request)` returns the response body of an OpenAI request
-dict (chat when it has `messages`), `generate_stream(request)` yields its stream chunks.
+HTTP: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (through the
+chat path: router/responses_route.py), GET /v1/models, GET /health, GET /metrics. Handles:
+`generate(request)` returns the response body of an OpenAI request dict (Responses when it
+has `input`, chat when `messages`), `generate_stream(request)` yields its stream chunks.
 A request with `n` samples or several prompts is fanned out into one engine request per
 choice. A client that goes away aborts its requests on every worker they touched.
 Request metrics are kept by each ingress replica and published to Ray's cluster KV within
@@ -27,7 +28,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -38,13 +38,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvray.configs import DeploymentConfig, ServeConfig
-from kvray.errors import InvalidArgumentError, KvrayError
+from kvray.errors import KvrayError
 from kvray.router import metrics
 from kvray.router.api_error import APIError, internal_error
 from kvray.router.direct_http import DirectHTTP
 from kvray.router.frontend import Frontend
 from kvray.router.ingest import Ingest
 from kvray.router.ingress_parts import (
+    Admission,
     api_error_of,
     cause,
     check_auth,
@@ -65,6 +66,8 @@ from kvray.router.protocol import (
 )
 from kvray.router.request_body import validate_body
 from kvray.router.responses import Usage
+from kvray.router.responses_api import ResponsesRequest
+from kvray.router.responses_route import ResponsesRoute
 from kvray.router.router_deployment import RouterDeployment
 from kvray.router.streams import all_or_none, merge, sse, unless_disconnected
 from kvray.timeouts import wait_for
@@ -139,8 +142,7 @@ class OpenAIIngress:
         # templating, tokenizing and compiling grammars off the event loop: a large body
         # never stalls the streams this replica serves
         self.ingest_thread = ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="kvray-ingest")
-        self.num_ingesting = 0  # bodies handed to those threads, not yet back
-        self.num_in_flight = 0
+        self.admission = Admission(self.config.max_queued_requests, self.config.retry_after_seconds)
         self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
         deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
         self.front_id = f"{self.config.app_name}-ingress-{self.replica}-{uuid.uuid4().hex[:6]}"
@@ -149,6 +151,10 @@ class OpenAIIngress:
         key = metrics.front_key(self.config.app_name, self.front_id)
         self.publisher = asyncio.get_running_loop().create_task(
             publish_forever(self.config.app_name, self.front_id, self.frontend, key)
+        )
+        # /v1/responses through the chat path; its stored conversations in this replica
+        self.responses = ResponsesRoute(
+            lambda body: self._complete(body, True), lambda body: self._stream(body, True)
         )
         self.http = None  # direct ingress: this replica's own HTTP server
         if self.config.direct_ingress:
@@ -179,6 +185,11 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         return await self._http(request, chat=True)
 
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def responses_create(self, request: Request):
+        check_auth(request, self.config.api_key)
+        return await self.responses.http(request, await read_json(request, self.config.max_body_bytes))
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         check_auth(request, self.config.api_key)
@@ -200,7 +211,7 @@ class OpenAIIngress:
         self.ingest.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt", code="invalid_value")
-        with self._admitted(1):
+        with self.admission.admitted(1):
             ids, strs = await self._off_loop(self._tokenize, req)
         return {
             "count": len(ids),
@@ -223,13 +234,8 @@ class OpenAIIngress:
     async def _off_loop(self, fn, *args):
         """fn(*args) on the ingest threads (templating, tokenizing, compiling grammars).
         Bodies waiting for them count against `max_queued_requests` too (503 past it)."""
-        if self.num_ingesting >= self.config.max_queued_requests:
-            raise self._at_capacity()
-        self.num_ingesting += 1
-        try:
+        with self.admission.ingesting():
             return await asyncio.get_running_loop().run_in_executor(self.ingest_thread, fn, *args)
-        finally:
-            self.num_ingesting -= 1
 
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> dict:
@@ -287,12 +293,19 @@ class OpenAIIngress:
     # ---- handle API ---------------------------------------------------------------------
 
     async def generate(self, request: dict) -> dict:
-        """An OpenAI request body (chat if it has `messages`) -> its response body."""
+        """An OpenAI request body (a Responses one if it has `input`, chat if `messages`)
+        -> its response body."""
+        if "input" in request:
+            return await self.responses.answer(request)
         return await self._complete(request, chat="messages" in request)
 
     async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
-        """An OpenAI request body -> its stream chunks (with a usage chunk if asked)."""
-        gen = self._stream(request, chat="messages" in request)
+        """An OpenAI request body -> its stream chunks (with a usage chunk if asked), or a
+        Responses body's events."""
+        if "input" in request:
+            gen = self.responses.events(request)
+        else:
+            gen = self._stream(request, chat="messages" in request)
         await anext(gen)
         try:
             async for chunk in gen:
@@ -304,7 +317,7 @@ class OpenAIIngress:
 
     async def _complete(self, body: dict, chat: bool) -> dict:
         req, builder, jobs = await self._prepared(body, chat)
-        with self._admitted(len(jobs)):
+        with self.admission.admitted(len(jobs)):
             try:
                 finals = await all_or_none([self._final(*job) for job in jobs])
             except KvrayError as e:
@@ -322,7 +335,7 @@ class OpenAIIngress:
         the stream with one OpenAI error event (the SSE framing then sends [DONE])."""
         req, builder, jobs = await self._prepared(body, chat)
         prompt_tokens = num_prompt_tokens(jobs, req.n)
-        with self._admitted(len(jobs)):
+        with self.admission.admitted(len(jobs)):
             yield None  # validated and admitted: the caller may start the response now
             outs = {}
             try:
@@ -368,32 +381,3 @@ class OpenAIIngress:
         async for final in self._outputs(rid, prompt_token_ids, params, timeout_s, priority):  # noqa: B007 (keep the last)
             pass
         return final
-
-    def _at_capacity(self) -> APIError:
-        return APIError(
-            503,
-            "the server is at capacity; retry later",
-            type="server_overloaded",
-            code="queue_full",
-            headers={"Retry-After": str(self.config.retry_after_seconds)},
-        )
-
-    @contextmanager
-    def _admitted(self, num_choices: int):
-        """Hold one of `max_queued_requests` slots per choice (prompts x n: each is an
-        engine request), or answer 503 with Retry-After; a request with more choices than
-        the limit could never run: 400."""
-        limit = self.config.max_queued_requests
-        if num_choices > limit:
-            raise APIError.invalid(
-                InvalidArgumentError(
-                    "n", f"{num_choices} choices", f"at most {limit} (prompts x n) per request"
-                )
-            )
-        if self.num_in_flight + num_choices > limit:
-            raise self._at_capacity()
-        self.num_in_flight += num_choices
-        try:
-            yield
-        finally:
-            self.num_in_flight -= num_choices

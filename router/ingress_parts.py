@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -191,3 +192,52 @@ async def publish_forever(app_name: str, front_id: str, frontend, key: str) -> N
             published = version
         except Exception:  # keep publishing; the next change tries again
             logger.exception("kvray ingress: publishing metrics failed")
+
+
+class Admission:
+    """An ingress replica's slots: `max_queued_requests` engine requests in flight
+    (prompts x n per request), and as many bodies waiting for the ingest threads; past
+    either a 503 with Retry-After."""
+
+    def __init__(self, limit: int, retry_after_s: int):
+        self.limit, self.retry_after_s = limit, retry_after_s
+        self.num_in_flight = 0
+        self.num_ingesting = 0  # bodies handed to the ingest threads, not yet back
+
+    def at_capacity(self) -> APIError:
+        return APIError(
+            503,
+            "the server is at capacity; retry later",
+            type="server_overloaded",
+            code="queue_full",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
+    @contextmanager
+    def admitted(self, num_choices: int):
+        """Hold one slot per choice, or answer 503; a request with more choices than the
+        limit could never run: 400."""
+        if num_choices > self.limit:
+            raise APIError.invalid(
+                InvalidArgumentError(
+                    "n", f"{num_choices} choices", f"at most {self.limit} (prompts x n) per request"
+                )
+            )
+        if self.num_in_flight + num_choices > self.limit:
+            raise self.at_capacity()
+        self.num_in_flight += num_choices
+        try:
+            yield
+        finally:
+            self.num_in_flight -= num_choices
+
+    @contextmanager
+    def ingesting(self):
+        """Hold one of the ingest threads' waiting places, or answer 503."""
+        if self.num_ingesting >= self.limit:
+            raise self.at_capacity()
+        self.num_ingesting += 1
+        try:
+            yield
+        finally:
+            self.num_ingesting -= 1

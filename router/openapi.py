@@ -6,8 +6,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from kvray.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvray.router.responses_api import ResponsesRequest
 
-BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+BODIES = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def openapi_body(model: type[BaseModel]) -> dict:

@@ -221,6 +221,10 @@ def test_openapi_names_the_request_fields(http):  # noqa: F811
     completion = doc["components"]["schemas"]["CompletionRequest"]
     assert {"prompt", "echo", "structured_outputs"} <= set(completion["properties"])
     assert "/tokenize" in doc["paths"] and "/detokenize" in doc["paths"]
+    responses = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert responses["$ref"].endswith("/ResponsesRequest")
+    fields = set(doc["components"]["schemas"]["ResponsesRequest"]["properties"])
+    assert {"input", "instructions", "max_output_tokens", "text", "tools", "previous_response_id"} <= fields
 
 
 def test_unsupported_fields_are_400s_and_unknown_ones_are_ignored(http):  # noqa: F811
