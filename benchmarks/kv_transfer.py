@@ -31,6 +31,7 @@ from kvray.configs import KVTransferConfig
 from kvray.engine import SamplingParams
 from kvray.engine.kv_handoff import PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket
+from kvray.engine.kv_views import KVViews
 
 LAYOUTS = {
     "SmolLM2-135M (fp32)": KVLayout(30, 16, 3, 64, "float32"),
@@ -47,7 +48,8 @@ class KVPeer:
         torch.set_num_threads(1)
         self.cache = torch.randn(layout.packed_shape(num_blocks)).to(layout.torch_dtype)  # as an engine's
         self.pins = PinTable()
-        self.source = KVSource(self.pins, self.cache, torch.device("cpu"), layout)
+        self.views = KVViews(self.cache, self.pins)  # what an engine hands its worker
+        self.source = KVSource(self.views, layout)
         config = KVTransferConfig(pull_timeout_seconds=120)
         host = node_ip()
         bind_collectives_to(host)  # as a worker does: gloo on the interface of the node's IP
@@ -72,11 +74,12 @@ class KVPeer:
         self, connector: str, ticket: KVTicket, src, dst_blocks: list[int], reps: int
     ) -> list[float]:
         puller = self.connectors[connector]
-        await puller.pull(ticket, src, self.cache, dst_blocks)  # warm-up (and the pair group)
+        into = self.views.of(dst_blocks)
+        await puller.pull(ticket, src, into)  # warm-up (and the pair group)
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            await puller.pull(ticket, src, self.cache, dst_blocks)
+            await puller.pull(ticket, src, into)
             times.append(time.perf_counter() - t)
         packed = await src.export_kv.remote(ticket.request_id)
         assert torch.equal(self.cache[0, 0, dst_blocks[0]], packed[0, 0, 0])

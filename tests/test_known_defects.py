@@ -141,6 +141,7 @@ def test_a_pull_whose_sender_never_answers_gives_up_at_the_pull_timeout():
     from kvray.actors.connectors import receive_packed
     from kvray.actors.pair_group import host_store, join_pair_groups
     from kvray.engine.kv_transfer import KVLayout, KVTicket
+    from kvray.engine.kv_views import KVViews
 
     store = host_store("127.0.0.1", 30)
     with ThreadPoolExecutor(2) as pool:
@@ -149,6 +150,6 @@ def test_a_pull_whose_sender_never_answers_gives_up_at_the_pull_timeout():
         groups, _peer = ours.result(), theirs.result()
     layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32")
     ticket = KVTicket("prefill-0", "r", (0,), 4, (), layout, 0.0)
-    cache = torch.zeros(layout.packed_shape(2))
+    into = KVViews(torch.zeros(layout.packed_shape(2))).of([1])
     with pytest.raises(RuntimeError, match="(?i)timed? ?out"):
-        receive_packed(groups.data, ticket, cache, [1], 8, datetime.timedelta(seconds=0.5))
+        receive_packed(groups.data, ticket, into, 8, datetime.timedelta(seconds=0.5))

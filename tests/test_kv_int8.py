@@ -50,6 +50,7 @@ def test_a_pull_between_different_kinds_of_cache_is_refused_before_any_byte_move
     from kvray.actors.kv_pull import KVPuller
     from kvray.configs import KVTransferConfig
     from kvray.engine.kv_transfer import KVLayout, KVTicket
+    from kvray.engine.kv_views import KVViews
 
     fp32 = KVLayout(30, 16, 3, 64, "float32", 9)
     int8 = dataclasses.replace(fp32, dtype="int8", quant="int8")
@@ -67,7 +68,8 @@ def test_a_pull_between_different_kinds_of_cache_is_refused_before_any_byte_move
 
     puller = KVPuller(Connector(), KVTransferConfig(), fp32, [])
     ticket = KVTicket("prefill-0", "r1", (1, 2), 20, (), int8, time.time() + 30)
-    assert asyncio.run(puller.pull(ticket, Prefill(), torch.zeros(1), [5, 6])) is False
+    into = KVViews(torch.zeros(1)).of([5, 6])
+    assert asyncio.run(puller.pull(ticket, Prefill(), into)) is False
     assert released == ["r1"] and puller.bytes_pulled == 0
     assert (int8.row_width, int8.packed_bytes(1), fp32.packed_bytes(1)) == (68, 195_840, 737_280)
     with pytest.raises(ValueError, match="cache_dtype"):
