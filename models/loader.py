@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from kvray.errors import InvalidArgumentError, UnknownModelError
-from kvray.models.fetch import ALIASES, fetch_alias, fetch_gguf
+from kvray.models.fetch import ALIASES, FOLDERS, fetch_alias, fetch_folder, fetch_gguf
 from kvray.models.gguf_file import GGUF_NAME, iter_gguf
 from kvray.models.gguf_groups import attach
 from kvray.models.parallel import ShardContext
@@ -26,11 +26,15 @@ def resolve_model_path(model: str) -> Path:
     huggingface_hub)."""
     if model in ALIASES:
         return fetch_alias(model)
+    if model in FOLDERS:
+        return fetch_folder(model)
     if os.path.isdir(model):
         return Path(model)
     if model.endswith(".gguf") and os.path.isfile(model):
         return fetch_gguf(model)
-    allowed = f"an alias in {sorted(ALIASES)}, a local .gguf file or Hugging Face folder, or a hub id"
+    allowed = (
+        f"an alias in {sorted(ALIASES | FOLDERS)}, a local .gguf file or Hugging Face folder, or a hub id"
+    )
     if not _HUB_ID.match(model):
         raise UnknownModelError("model", model, allowed)
     try:
