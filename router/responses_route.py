@@ -13,6 +13,7 @@ began is one `error` event.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -71,7 +72,9 @@ class ResponseEvents:
             if delta.get("content"):
                 events += self._open_message()
                 self.reply.text += delta["content"]
-                events.append(self._text_event("response.output_text.delta", delta=delta["content"]))
+                events.append(
+                    self._text_event("response.output_text.delta", delta=delta["content"], logprobs=[])
+                )
             for call in delta.get("tool_calls") or []:
                 events += self._close_message() + self._call(call)
             if choice.get("finish_reason"):
@@ -87,9 +90,15 @@ class ResponseEvents:
         kind = "response.incomplete" if self.body["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self.body)]
 
-    def failed(self, error: dict) -> dict:
+    def failed(self, error: dict) -> list[dict]:
+        """An error after the stream began: the `error` event, then `response.failed`."""
         e = error["error"]
-        return self._event("error", code=e.get("code"), message=e["message"], param=e.get("param"))
+        body = response_body(self.req, self.rid, self.created, self.reply, self.items)
+        body.update(status="failed", error={"code": e.get("code") or "server_error", "message": e["message"]})
+        return [
+            self._event("error", code=e.get("code"), message=e["message"], param=e.get("param")),
+            self._event("response.failed", response=body),
+        ]
 
     def _text_event(self, kind: str, **fields) -> dict:
         where = {"item_id": self.message_id, "output_index": len(self.items), "content_index": 0}
@@ -109,7 +118,7 @@ class ResponseEvents:
     def _close_message(self) -> list[dict]:
         if self.message_id is None:
             return []
-        item = message_item(self.message_id, self.reply.text)
+        item = message_item(self.message_id, self.reply.text, self.reply.message_status)
         events = [
             self._text_event("response.output_text.done", text=self.reply.text, logprobs=[]),
             self._text_event("response.content_part.done", part=item["content"][0]),
@@ -174,18 +183,20 @@ class ResponsesRoute:
 
     async def answer(self, body: dict, key: str = "") -> dict:
         """The Response object of a request body (not streamed)."""
-        req, chat, conversation = self._prepare(body, key)
+        req, chat, conversation = await asyncio.to_thread(self._prepare, body, key)
+        chat["stream"] = False
         try:
             reply = Reply.of_chat(await self.complete(chat))
         except APIError as e:
             raise renamed(e) from None
         answer = response_body(req, new_id("resp"), now(), reply, output_items(reply))
-        self._keep(req, key, answer, conversation, reply)
+        await asyncio.to_thread(self._keep, req, key, answer, conversation, reply)
         return answer
 
     async def events(self, body: dict, key: str = "") -> AsyncIterator[dict | None]:
         """None once validated and admitted, then the Responses events."""
-        req, chat, conversation = self._prepare(body, key)
+        req, chat, conversation = await asyncio.to_thread(self._prepare, body, key)
+        chat.update(stream=True, stream_options={"include_usage": True})  # (a handle's body may not say)
         chunks = self.stream(chat)
         try:
             try:
@@ -198,13 +209,15 @@ class ResponsesRoute:
                 yield event
             async for chunk in chunks:
                 if "error" in chunk:
-                    yield state.failed(chunk)
+                    for event in state.failed(chunk):
+                        yield event
                     return
                 for event in state.on_chunk(chunk):
                     yield event
-            for event in state.finished():
+            events = state.finished()
+            await asyncio.to_thread(self._keep, req, key, state.body, conversation, state.reply)
+            for event in events:  # stored before the last event: a follow-up may come at once
                 yield event
-            self._keep(req, key, state.body, conversation, state.reply)
         finally:
             await chunks.aclose()
 

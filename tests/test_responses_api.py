@@ -61,6 +61,8 @@ def test_a_request_becomes_the_chat_body_that_runs_it():
         "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True},
     }
     assert to_chat_body(_req(stream=True), [])["stream_options"] == {"include_usage": True}
+    loose = {"type": "function", "name": "f"}  # strict unless it says otherwise (the Responses API's default)
+    assert to_chat_body(_req(tools=[loose]), [])["tools"][0]["function"]["strict"] is True
     assert to_chat_body(_req(text={"format": {"type": "json_object"}}), [])["response_format"] == {
         "type": "json_object"
     }
@@ -114,6 +116,8 @@ def test_chat_errors_are_named_after_the_responses_fields():
     )
     assert renamed(APIError(400, "response_format: bad", param="response_format")).param == "text.format"
     assert renamed(APIError(400, "seed: bad", param="seed")).param == "seed"
+    e = renamed(APIError(400, "messages[2].content: bad", param="messages[2].content"))
+    assert e.param == "input" and e.message.startswith("input (as chat messages)[2]")
 
 
 def test_a_reply_becomes_the_response_object():
@@ -143,6 +147,7 @@ def test_a_reply_becomes_the_response_object():
     cut = Reply("abc", [], "length", 3, 5)
     body = response_body(req, "resp_2", 100, cut, output_items(cut))
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["status"] == "incomplete" and body["output"][0]["content"][0]["text"] == "abc"
 
 
 def test_a_chat_stream_becomes_the_responses_events():
@@ -170,6 +175,16 @@ def test_a_chat_stream_becomes_the_responses_events():
     assert [i["type"] for i in final["output"]] == ["message", "function_call"]
     assert final["output"][0]["content"][0]["text"] == "Hello" and final["output"][1]["call_id"] == "call_9"
     assert final["usage"]["output_tokens"] == 3 and out[0]["response"]["status"] == "in_progress"
+    broken = ResponseEvents(_req(), "resp_2", 100)
+    broken.started()
+    broken.on_chunk(chunks[0])
+    error = {"error": {"message": "the worker failed", "type": "x", "param": None, "code": "internal_error"}}
+    failed = broken.failed(error)
+    assert [e["type"] for e in failed] == ["error", "response.failed"]
+    assert (
+        failed[1]["response"]["status"] == "failed"
+        and failed[1]["response"]["error"]["code"] == "internal_error"
+    )
 
 
 def test_the_store_keeps_conversations_per_api_key_and_bounded():
@@ -186,6 +201,13 @@ def test_the_store_keeps_conversations_per_api_key_and_bounded():
     assert len(store) == 2 and store.get(alice, "r1") is not None
     with pytest.raises(APIError):
         store.get(alice, "r2")
+    quota = ResponseStore(max_entries=10, max_per_key=2)
+    for i in range(3):
+        quota.put(alice, f"a{i}", [])
+    quota.put(bob, "b0", [])
+    with pytest.raises(APIError):  # alice's oldest made room for her third, not bob's
+        quota.get(alice, "a0")
+    assert quota.get(alice, "a2") == [] and quota.get(bob, "b0") == [] and len(quota) == 3
     small = ResponseStore(max_entries=10, max_bytes=100)
     small.put(alice, "big", [{"content": "x" * 60}])
     small.put(alice, "bigger", [{"content": "y" * 60}])  # over 100 bytes together: the first goes
