@@ -351,5 +351,6 @@ def teardown(name: str) -> None:
     for ns in ours:
         sh("ip", "netns", "del", ns, check=False)
     shutil.rmtree(STATE_ROOT / f"kvray-netns-{name}", ignore_errors=True)
-    for launcher_state in Path("/tmp").glob(f"cluster-{name}.*"):  # Ray's local provider (`ray up`)
-        launcher_state.unlink(missing_ok=True)
+    for where in (Path("/tmp"), Path("/tmp/ray")):  # Ray's local provider's state (`ray up`)
+        for launcher_state in where.glob(f"cluster-{name}.*"):
+            launcher_state.unlink(missing_ok=True)
