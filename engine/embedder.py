@@ -20,6 +20,7 @@ from kvray.models.bert import EMBEDDING_ARCHITECTURES, BertEncoder
 from kvray.models.loader import load_config, load_tokenizer
 
 MAX_BATCH_TOKENS = 8192  # padded tokens one forward pass takes
+MAX_BATCH = 32  # ... and inputs
 
 
 @dataclass
@@ -88,7 +89,9 @@ class Embedder:
         while start < len(order):
             end = start + 1  # the longest of the batch is its last: it sets the padding
             while (
-                end < len(order) and (end + 1 - start) * len(token_ids[order[end]]) <= self.max_batch_tokens
+                end < len(order)
+                and end - start < MAX_BATCH
+                and (end + 1 - start) * len(token_ids[order[end]]) <= self.max_batch_tokens
             ):
                 end += 1
             batch = [token_ids[i] for i in order[start:end]]

@@ -29,7 +29,7 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H]; mask [B, 1, 1, T]: 0 where a key is a token, -inf where padding."""
+        """x [B, T, H]; mask [B, 1, 1, T]: True where a key is a token, False where padding."""
         b, t, h = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -55,8 +55,7 @@ class BertEncoder(nn.Module):
         """ids, attention_mask [B, T] (1 for tokens, 0 for padding) -> hidden [B, T, H]."""
         positions = torch.arange(ids.shape[1], device=ids.device)
         x = self.norm(self.word(ids) + self.position(positions) + self.segment(torch.zeros_like(ids)))
-        mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
-        mask = mask.masked_fill(attention_mask == 0, float("-inf"))[:, None, None, :]
+        mask = (attention_mask != 0)[:, None, None, :]  # True where a key is a token
         for layer in self.layers:
             x = layer(x, mask)
         return x
