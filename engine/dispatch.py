@@ -62,9 +62,7 @@ class Dispatcher:
         except Exception as e:
             settle(add.accepted, error=e)
             return
-        self.streams[add.request_id] = add.sink
-        if not settle(add.accepted, None):  # the caller was cancelled meanwhile
-            self.publish(self.engine.abort_request([add.request_id]))
+        self._accepted(add.request_id, add.sink, add.accepted)
 
     def _add_prefilled(self, add: AddPrefilled) -> None:
         engine, rid, room = self.engine, add.request_id, add.room
@@ -82,9 +80,7 @@ class Dispatcher:
         except Exception as e:
             settle(add.accepted, error=e)
             return
-        self.streams[rid] = add.sink
-        if not settle(add.accepted, None):  # the caller left: nobody will pull or read
-            self.publish(engine.abort_request([rid]))
+        if not self._accepted(rid, add.sink, add.accepted):  # nobody will pull or read
             if blocks is not None:
                 engine.finish_kv_pull(rid, ok=False)
             blocks = None
@@ -92,6 +88,15 @@ class Dispatcher:
             self.rooms[rid] = room  # settled by grant_rooms
         else:
             self._give_room(rid, room, blocks)
+
+    def _accepted(self, rid: str, sink: OutputSink, accepted: Future) -> bool:
+        """The engine took the request: its outputs go to `sink` and its caller hears so;
+        False (the request aborted) when the caller was cancelled meanwhile."""
+        self.streams[rid] = sink
+        if settle(accepted, None):
+            return True
+        self.publish(self.engine.abort_request([rid]))
+        return False
 
     def grant_rooms(self, rooms: list[tuple[str, list[int] | None]]) -> None:
         """Blocks freed since the last step go to the prefilled requests waiting to pull."""

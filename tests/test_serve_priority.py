@@ -48,19 +48,12 @@ def test_a_high_priority_request_overtakes_the_queued_ones(colo_server):
 
 
 def test_a_priority_the_pools_do_not_schedule_by_is_a_400(server):
-    r = httpx.post(
-        f"{server}/v1/completions",
-        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": 5},
-        headers=HEADERS,
-        timeout=60,
-    )
+    def complete(priority: int):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": priority}
+        return httpx.post(f"{server}/v1/completions", json=body, headers=HEADERS, timeout=60)
+
+    r = complete(5)
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == "priority" and "scheduling_policy" in error["message"]
-    ok = httpx.post(
-        f"{server}/v1/completions",
-        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": 0},
-        headers=HEADERS,
-        timeout=60,
-    )
-    assert ok.status_code == 200
+    assert complete(0).status_code == 200

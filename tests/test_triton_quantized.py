@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_engine_triton import TINY as ENGINE_TINY  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from kvray.engine import LLM, SamplingParams  # noqa: E402
@@ -18,16 +19,7 @@ from kvray.kernels import cpu_groups, cpu_native  # noqa: E402
 from kvray.models import cpu_linear  # noqa: E402
 from kvray.models.triton_linear import TritonGrouped  # noqa: E402
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=256,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+TINY = {**ENGINE_TINY, "intermediate_size": 384}  # a down_proj k of 3 groups of 128
 PROMPTS = [[7, 3, 250, 11], list(range(40, 57))]  # a decode-sized step, a prompt chunk
 
 
