@@ -41,7 +41,8 @@ class PoolAutoscaling(_Strict):
 
     A prefill pool reads the prompt tokens waiting to be computed and the time its prompts
     take to their first token; a decode (or mixed) pool reads KV-cache usage, running
-    requests and the inter-token latency. A target of None leaves that signal out.
+    requests and the inter-token latency; an embedding pool reads its queued input tokens.
+    A target of None leaves that signal out.
     """
 
     min_workers: int = Field(1, ge=1)
@@ -49,7 +50,7 @@ class PoolAutoscaling(_Strict):
     upscale_delay_s: float = Field(10.0, ge=0)  # a signal must stay high this long
     downscale_delay_s: float = Field(60.0, ge=0)  # ... or low this long
     look_back_period_s: float = Field(30.0, gt=0)  # signals are averaged over this window
-    # prefill signals (per worker)
+    # prefill (and embedding) signals (per worker)
     target_queued_prompt_tokens: int | None = Field(2048, ge=1)
     target_ttft_seconds: float | None = Field(None, gt=0)
     # decode signals (per worker)
@@ -142,6 +143,11 @@ class DeploymentConfig(_Strict):
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig()
     mixed: PoolConfig = PoolConfig()
+    # embedding workers for /v1/embeddings (None: the app serves no embeddings): the pool's
+    # own `engine` names an embedding model (e.g. {model: all-minilm-l6-v2}); the
+    # deployment's `engine` does not apply to it. Autoscaled on queued input tokens
+    # (`autoscaling.target_queued_prompt_tokens` per worker).
+    embedding: PoolConfig | None = None
     kv_transfer: KVTransferConfig = KVTransferConfig()
     router: RouterConfig = RouterConfig()
 
@@ -181,4 +187,19 @@ class DeploymentConfig(_Strict):
                 EngineConfig(**engine)
             except ValueError as e:  # InvalidArgumentError: the field and its allowed range
                 raise ValueError(f"{role} engine: {e}") from None
+        if self.embedding is not None:
+            engine = self.embedding.engine
+            unknown = sorted(engine.keys() - known)
+            if "model" not in engine or unknown:
+                bad = unknown[0] if unknown else "model"
+                raise ValueError(
+                    f"embedding engine: {bad!r}: an embedding model's EngineConfig fields, `model` "
+                    "among them (e.g. {model: all-minilm-l6-v2})"
+                )
+            try:
+                EngineConfig(**engine)
+            except ValueError as e:
+                raise ValueError(f"embedding engine: {e}") from None
+            if self.embedding.autoscaling is not None and self.embedding.autoscaling.planner is not None:
+                raise ValueError("embedding.autoscaling.planner: none (the planner sizes generating pools)")
         return self

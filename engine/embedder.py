@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvray.engine.config import EngineConfig
 from kvray.errors import InvalidArgumentError
 from kvray.models.bert import EMBEDDING_ARCHITECTURES, BertEncoder
 from kvray.models.loader import load_config, load_tokenizer
@@ -44,15 +45,36 @@ def is_embedding_model(path: Path) -> bool:
     return any(a in EMBEDDING_ARCHITECTURES for a in architectures)
 
 
+def build_embedder(config: EngineConfig) -> Embedder | None:
+    """The Embedder of `config.model` when it is an embedding model (fp32 unless `dtype`
+    says otherwise; on the GPU where there is one), else None (a generative model)."""
+    from kvray.models.loader import resolve_model_path
+
+    path = resolve_model_path(config.model)
+    if not is_embedding_model(path):
+        return None
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise InvalidArgumentError(
+            "tensor_parallel_size", config.tensor_parallel_size, "1 for an embedding model"
+        )
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype, torch.float32)
+    return Embedder(path, dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 class Embedder:
     def __init__(
-        self, path: Path, dtype: torch.dtype = torch.float32, max_batch_tokens: int = MAX_BATCH_TOKENS
+        self,
+        path: Path,
+        dtype: torch.dtype = torch.float32,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        device: str = "cpu",
     ):
         config = load_config(path)
         self.tokenizer = load_tokenizer(path)
         self.model = BertEncoder(config).eval()
         self.model.load(path)
-        self.model.to(dtype)
+        self.model.to(device=device, dtype=dtype)
+        self.device = device
         self.dtype = dtype
         self.dimensions = config.hidden_size
         self.max_batch_tokens = max_batch_tokens
@@ -102,14 +124,15 @@ class Embedder:
     def _forward(self, batch: list[list[int]]) -> torch.Tensor:
         width = max(len(ids) for ids in batch)
         pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([x + [pad] * (width - len(x)) for x in batch])
-        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch])
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x in batch], device=self.device)
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch], device=self.device)
         hidden = self.model(ids, mask).float()
         if self.pooling == "cls":
             pooled = hidden[:, 0]
         else:
             pooled = (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdim=True)
-        return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+        pooled = torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+        return pooled.cpu()
 
 
 def _pooling(path: Path) -> tuple[str, bool]:

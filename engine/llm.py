@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvray.engine.config import EngineConfig
-from kvray.engine.embedder import Embedder, EmbeddingOutput, EmbeddingRequestOutput, is_embedding_model
+from kvray.engine.embedder import EmbeddingOutput, EmbeddingRequestOutput, build_embedder
 from kvray.engine.llm_engine import LLMEngine, PromptInput
 from kvray.engine.outputs import RequestOutput
 from kvray.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -29,26 +29,6 @@ def _check_keywords(kwargs: dict) -> None:
             close = difflib.get_close_matches(name, sorted(valid), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise InvalidArgumentError(name, kwargs[name], f"a keyword LLM accepts{hint}")
-
-
-def _embedder(config: EngineConfig, engine_kwargs: dict) -> Embedder | None:
-    """The Embedder of an embedding model (fp32 on a CPU unless `dtype` says otherwise),
-    or None for a generative one."""
-    if engine_kwargs:  # a random-weight model for tests: generative
-        return None
-    from kvray.models.loader import resolve_model_path
-
-    path = resolve_model_path(config.model)
-    if not is_embedding_model(path):
-        return None
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        raise InvalidArgumentError(
-            "tensor_parallel_size", config.tensor_parallel_size, "1 for an embedding model"
-        )
-    import torch
-
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype, torch.float32)
-    return Embedder(path, dtype)
 
 
 class LLM:
@@ -95,7 +75,8 @@ class LLM:
         self._ids = itertools.count()
         self.engine: LLMEngine | None = None
         self._group = None  # a sharded engine on Ray (tp x pp > 1)
-        self.embedder = _embedder(config, engine_kwargs)  # an embedding model: LLM.embed only
+        # an embedding model: LLM.embed only (engine objects: a random-weight generative model)
+        self.embedder = None if engine_kwargs else build_embedder(config)
         if self.embedder is not None:
             return
         if tensor_parallel_size * pipeline_parallel_size > 1:

@@ -10,9 +10,11 @@ through the workers it was given (router/frontend.py) and receives their tokens 
 from the workers, one batch of deltas per engine step.
 
 HTTP: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (through the
-chat path: router/responses_route.py), GET /v1/models, GET /health, GET /metrics. Handles:
+chat path: router/responses_route.py), POST /v1/embeddings (the `embedding:` pool:
+router/embeddings_route.py), GET /v1/models, GET /health, GET /metrics. Handles:
 `generate(request)` returns the response body of an OpenAI request dict (Responses when it
-has `input`, chat when `messages`), `generate_stream(request)` yields its stream chunks.
+has `input`, chat when `messages`), `generate_stream(request)` yields its stream chunks,
+`embeddings(request)` answers an embeddings body.
 A request with `n` samples or several prompts is fanned out into one engine request per
 choice. A client that goes away aborts its requests on every worker they touched.
 Request metrics are kept by each ingress replica and published to Ray's cluster KV within
@@ -42,6 +44,8 @@ from kvray.errors import KvrayError
 from kvray.router import metrics
 from kvray.router.api_error import APIError, internal_error
 from kvray.router.direct_http import DirectHTTP
+from kvray.router.embedding_pool import embedding_deployment
+from kvray.router.embeddings_route import EmbeddingsRequest, EmbeddingsRoute
 from kvray.router.frontend import Frontend
 from kvray.router.ingest import Ingest
 from kvray.router.ingress_parts import (
@@ -122,7 +126,8 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
     )
     router_app = router.bind(cfg.model_dump())
     pools = [pool_deployment(cfg, role) for role in cfg.roles]
-    return ingress.bind(cfg.model_dump(), router_app, pools)
+    embedding = embedding_deployment(cfg) if cfg.embedding is not None else None
+    return ingress.bind(cfg.model_dump(), router_app, pools, embedding)
 
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
@@ -131,7 +136,13 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
-    async def __init__(self, config: dict, router: DeploymentHandle, pools: list[DeploymentHandle]):
+    async def __init__(
+        self,
+        config: dict,
+        router: DeploymentHandle,
+        pools: list[DeploymentHandle],
+        embedding: DeploymentHandle | None = None,
+    ):
         self.config = ServeConfig(**config)
         self.pools = pools  # bound here so Serve runs the pool deployments with the app
         self.router = router  # the control plane: which workers serve a request
@@ -156,6 +167,8 @@ class OpenAIIngress:
         self.responses = ResponsesRoute(
             lambda body: self._complete(body, True), lambda body: self._stream(body, True)
         )
+        embedding_model = self.config.embedding.engine["model"] if self.config.embedding else None
+        self.embedding_route = EmbeddingsRoute(embedding, embedding_model, self.admission)
         self.http = None  # direct ingress: this replica's own HTTP server
         if self.config.direct_ingress:
             self.http = DirectHTTP(app, self.config.http_host, self.config.http_port)
@@ -190,17 +203,24 @@ class OpenAIIngress:
         check_auth(request, self.config.api_key)
         return await self.responses.http(request, await read_json(request, self.config.max_body_bytes))
 
+    @app.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingsRequest))
+    async def embeddings_create(self, request: Request):
+        check_auth(request, self.config.api_key)
+        body = await read_json(request, self.config.max_body_bytes)
+        answer = await unless_disconnected(request, self.embedding_route.answer(body))
+        return Response(status_code=499) if answer is None else JSONResponse(answer)
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         check_auth(request, self.config.api_key)
-        card = {
-            "id": self.config.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvray",
-            "max_model_len": self.limits.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [(self.config.model_name, self.limits.max_model_len)]
+        if (info := await self.embedding_route.info()) is not None:
+            cards.append((self.embedding_route.model_name, info["max_model_len"]))
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvray", "max_model_len": limit}
+            for name, limit in cards
+        ]
+        return {"object": "list", "data": data}
 
     @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(self, request: Request) -> dict:
@@ -212,24 +232,13 @@ class OpenAIIngress:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt", code="invalid_value")
         with self.admission.admitted(1):
-            ids, strs = await self._off_loop(self._tokenize, req)
+            ids, strs = await self._off_loop(self.ingest.tokenize, req)
         return {
             "count": len(ids),
             "max_model_len": self.limits.max_model_len,
             "tokens": ids,
             "token_strs": strs,
         }
-
-    def _tokenize(self, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
-        if req.messages is not None:
-            text = self.ingest.chat_text(
-                req.messages, req.tools, req.add_generation_prompt, req.continue_final_message
-            )
-            ids = self.tokenizer(text, add_special_tokens=bool(req.add_special_tokens)).input_ids
-        else:
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = self.tokenizer(req.prompt, add_special_tokens=add).input_ids
-        return ids, self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
     async def _off_loop(self, fn, *args):
         """fn(*args) on the ingest threads (templating, tokenizing, compiling grammars).
@@ -312,6 +321,10 @@ class OpenAIIngress:
                 yield chunk
         finally:
             await gen.aclose()
+
+    async def embeddings(self, request: dict) -> dict:
+        """An OpenAI embeddings body -> its response body (the embedding pool's)."""
+        return await self.embedding_route.answer(request)
 
     # ---- the work -----------------------------------------------------------------------
 

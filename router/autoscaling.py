@@ -11,6 +11,7 @@ asks for enough workers to bring every signal to its target and takes the larges
   tokens a worker computes itself (summed, as prefill's): a mixed worker's prompts, and a
   decode worker's short prompts (`router.max_local_prefill_length`), moved requests and
   failed pulls. A decode worker's pulled prompts never count: they wait outside its queue.
+* embedding: the tokens of the inputs waiting for a batch (summed, as prefill's).
 
 Requests that wait at an ingress for a worker of the pool to join (the pool is empty while
 Serve replaces a dead worker, see `Frontend._route`) count too: each ingress replica
@@ -47,6 +48,7 @@ SIGNALS = {
     "decode": ("queued_prompt_tokens", "kv_cache_usage", "running_requests", "itl_seconds"),
 }
 SIGNALS["mixed"] = ("ttft_seconds", *SIGNALS["decode"])
+SIGNALS["embedding"] = ("queued_prompt_tokens",)  # the inputs' tokens waiting for a batch
 WAITING_FRESH_S = 10.0  # an ingress's waiting counts older than this are stale (it is gone)
 WAITING_READ_S = 1.0  # the policy reads them at most this often (Serve calls it every 0.1 s)
 

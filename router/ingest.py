@@ -10,7 +10,7 @@ from kvray.engine.request_limits import RequestLimits
 from kvray.engine.structured_outputs import GrammarCompiler
 from kvray.errors import InvalidArgumentError, no_chat_template
 from kvray.router.api_error import APIError
-from kvray.router.protocol import ChatCompletionRequest, CompletionRequest
+from kvray.router.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from kvray.router.tool_calls import ToolCallParser, parser_for_template
 
 
@@ -74,6 +74,19 @@ class Ingest:
             continue_final_message=continue_final,
             **extra,
         )
+
+    def tokenize(self, req: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        """/tokenize's answer: the ids of the prompt or of the templated messages, and
+        their token strings if asked."""
+        if req.messages is not None:
+            text = self.chat_text(
+                req.messages, req.tools, req.add_generation_prompt, req.continue_final_message
+            )
+            ids = self.tokenizer(text, add_special_tokens=bool(req.add_special_tokens)).input_ids
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.tokenizer(req.prompt, add_special_tokens=add).input_ids
+        return ids, self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
 
     def prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         """The request's prompts as token ids, each non-empty, shorter than the context

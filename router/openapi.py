@@ -5,10 +5,18 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from kvray.router.embeddings_route import EmbeddingsRequest
 from kvray.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvray.router.responses_api import ResponsesRequest
 
-BODIES = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+BODIES = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    EmbeddingsRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 
 
 def openapi_body(model: type[BaseModel]) -> dict:

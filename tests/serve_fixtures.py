@@ -1,9 +1,9 @@
 """The Serve apps that the HTTP test modules share (test_serve_openai, test_serve_structured):
 one local Ray and two apps for the session, started on first use — the PD preset's shape
 (1 prefill + 1 decode worker, torch_dist) at "/" through Serve's proxy (`server`), and the
-colocated one (1 mixed worker, scheduling by priority, 2 requests at a time) serving HTTP
-from its ingress replica itself, as the CPU presets do (direct ingress, `colo_server`: its
-own port; its /metrics behind the key too)
+colocated one (1 mixed worker, scheduling by priority, 2 requests at a time, 1 embedding
+worker) serving HTTP from its ingress replica itself, as the CPU presets do (direct
+ingress, `colo_server`: its own port; its /metrics behind the key too)
 — with the official `openai` client and a raw httpx client beside them.
 
 Session-scoped so the second module does not pay the start-up again; conftest.py imports
@@ -21,6 +21,7 @@ from kvray.cluster.ports import free_port
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
 MAX_QUEUED = 16
+EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +54,8 @@ def apps(tmp_path_factory, engine_args) -> dict[str, str]:
     # ... scheduling by priority, two requests at a time (tests/test_serve_priority.py)
     mixed = {**pool, "engine": {"scheduling_policy": "priority", "max_num_seqs": 2}}
     colo = {**config, "app_name": "colo", "disaggregated": False, "mixed": mixed}
+    # ... and an embedding worker (tests/test_serve_embeddings.py)
+    colo["embedding"] = {"num_cpus": 0, "torch_threads": 1, "engine": {"model": EMBEDDING_MODEL}}
     colo.update(direct_ingress=True, http_host="127.0.0.1", http_port=colo_port, metrics_need_api_key=True)
     serve.run(build_app(colo), name="colo", route_prefix="/colo")
     yield {"pd": f"http://127.0.0.1:{port}", "colocated": f"http://127.0.0.1:{colo_port}"}

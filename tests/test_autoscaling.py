@@ -55,6 +55,13 @@ def test_decode_counts_the_prompt_tokens_it_computes_itself():
     assert desired_workers("mixed", TARGETS, 1, {"ttft_seconds": [4.0]}) == 2
 
 
+def test_embedding_asks_for_its_queued_input_tokens_only():
+    # 2 replicas with 1200 + 900 input tokens waiting for a batch: ceil(2100 / 1000) = 3
+    assert desired_workers("embedding", TARGETS, 2, {"queued_prompt_tokens": [1200, 900]}) == 3
+    assert desired_workers("embedding", TARGETS, 2, {"queued_prompt_tokens": [0, 0]}) == 0
+    assert desired_workers("embedding", TARGETS, 1, {"running_requests": [50], "ttft_seconds": [9.0]}) is None
+
+
 def test_policy_never_asks_for_zero_and_keeps_its_state():
     policy = PoolPolicy("decode", TARGETS)
     ctx = SimpleNamespace(

@@ -2,8 +2,8 @@
 
 A subprocess runs `kvray serve --config <colocated CPU preset, small limits, two ingress
 replicas> --port N` and starts a Ray of its own (RAY_ADDRESS unset; temp dir under a folder
-of this test's). It answers /health and a chat completion through the official `openai`
-client; both ingress replicas answer and every /metrics scrape shows the whole app (one
+of this test's). It answers /health, a chat completion and embeddings through the official
+`openai` client; both ingress replicas answer and every /metrics scrape shows the whole app (one
 Router behind them). SIGINT then stops it: it exits 0 and every process it started, Ray's
 included, is gone.
 """
@@ -109,6 +109,8 @@ def test_kvray_serve_answers_then_sigint_stops_everything_it_started(tmp_path, s
             model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
         )
         assert r.choices[0].message.content and 0 < r.usage.completion_tokens <= 8
+        vectors = client.embeddings.create(model="all-minilm-l6-v2", input=["a cat", "a dog"]).data
+        assert [len(v.embedding) for v in vectors] == [384, 384]  # the preset's embedding worker
 
         replicas = set()
         for _ in range(60):  # the proxy spreads requests over both ingress replicas

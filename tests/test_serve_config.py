@@ -24,6 +24,7 @@ def test_presets_validate_and_build(preset, disaggregated):
     # both (one core's memory bandwidth is half the machine's) and the prefill worker one
     assert [p.torch_threads for p in pools] == ([1, 2] if disaggregated else [2])
     assert config.router.num_replicas == 2  # the control plane survives a replica
+    assert config.embedding.engine == {"model": "all-minilm-l6-v2"} and config.embedding.num_cpus == 0
     if disaggregated:  # CPU caches: received on the decode worker's event loop
         assert config.kv_transfer.connector == "tcp"
     assert build_app(preset) is not None
@@ -69,6 +70,23 @@ def test_engine_arguments_are_checked_as_the_config_loads():
     config = ServeConfig(engine={"block_size": 32}, decode={"engine": {"max_num_seqs": 8}})
     assert config.pool_engine("decode") == {"block_size": 32, "max_num_seqs": 8}
     assert config.pool_engine("prefill") == {"block_size": 32}
+
+
+def test_an_embedding_pool_names_its_model_and_takes_no_planner():
+    """The `embedding:` pool's engine is its own (the deployment's does not apply) and
+    must name a model; its mistakes fail as the config loads, naming the pool."""
+    config = ServeConfig(engine={"block_size": 32}, embedding={"engine": {"model": "all-minilm-l6-v2"}})
+    assert config.embedding.engine == {"model": "all-minilm-l6-v2"} and config.embedding.num_workers == 1
+    assert ServeConfig().embedding is None  # no pool unless configured
+    with pytest.raises(ValueError, match="embedding engine: 'model'"):
+        ServeConfig(embedding={"engine": {}})
+    with pytest.raises(ValueError, match="embedding engine: 'modle'"):
+        ServeConfig(embedding={"engine": {"model": "all-minilm-l6-v2", "modle": 1}})
+    with pytest.raises(ValueError, match="embedding engine: dtype='fp7'"):
+        ServeConfig(embedding={"engine": {"model": "all-minilm-l6-v2", "dtype": "fp7"}})
+    planner = {"ttft_seconds": 1.0, "tpot_seconds": 0.1}
+    with pytest.raises(ValueError, match="embedding.autoscaling.planner"):
+        ServeConfig(embedding={"engine": {"model": "m"}, "autoscaling": {"planner": planner}})
 
 
 def test_gpu_preset_validates_with_tensor_parallel_pools():
