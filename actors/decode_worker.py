@@ -33,7 +33,7 @@ class DecodeWorker(EngineWorker):
         """Continue a prefilled request here. Returns once it is accepted: its first
         token goes out at once (under the same stop-string rules as the rest), then the
         KV is pulled (or recomputed) and the request joins the batch."""
-        outbox = self._admit(req)
+        outbox = self._admit(req, prefilled=True)
         rid = req.request_id
         ticket = handoff.ticket
         pin_end = None  # (None: no pin to wait on, recompute when there is no room now)
@@ -53,25 +53,39 @@ class DecodeWorker(EngineWorker):
         except BaseException:
             outbox.unregister(rid)
             raise
-        task = asyncio.ensure_future(self._pull(handoff, prefill, rid, room))
+        task = asyncio.ensure_future(self._pull(handoff, prefill, rid, room, req.trace))
         self.pull_tasks.add(task)
         task.add_done_callback(self.pull_tasks.discard)
 
-    async def _pull(self, handoff: PrefillResult, prefill, rid: str, room: asyncio.Future) -> None:
+    async def _pull(
+        self, handoff: PrefillResult, prefill, rid: str, room: asyncio.Future, trace: dict | None = None
+    ) -> None:
         """Once the engine has blocks for it (at once, or when some free up), pull the
         prompt's KV into them. Runs to its end even if the request is aborted meanwhile: a
         pull cut off midway would break the pair group and leave the blocks half written
-        (the engine frees an aborted request's blocks when its pull reports back)."""
+        (the engine frees an aborted request's blocks when its pull reports back). Traced:
+        a `kv_pull` span from the request's arrival here to the pull's end."""
+        arrived = time.time_ns()
         blocks = await room
         if blocks is None:  # nothing to pull (ended, aborted, or recomputed here)
             if handoff.ticket is not None and prefill is not None:
                 prefill.release_kv.remote(rid)  # let the pin go now
             return
         ok = False
+        pulling = time.time_ns()
         try:
             ok = await self.puller.pull(handoff.ticket, prefill, self.llm.kv_views.of(blocks))
         finally:
             await self.llm.finish_kv_pull(rid, ok)
+            if self.tracing is not None and trace is not None:
+                attributes = {
+                    **self.span_attributes,
+                    "kvray.kv_pull.ok": ok,
+                    "kvray.kv_pull.blocks": len(blocks),
+                    "kvray.kv_pull.wait_seconds": (pulling - arrived) / 1e9,
+                    "kvray.kv_transfer.connector": self.kv_config.connector,
+                }
+                self.tracing.record("kv_pull", trace, arrived, time.time_ns(), attributes)
 
     async def _transfer(self) -> tuple[int, float, list[int]]:
         p = self.puller

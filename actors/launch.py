@@ -40,9 +40,17 @@ def start_worker(worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv:
 
 
 def start_worker_in(
-    pg, name: str, worker_id: str, role: Role, engine: dict, pool: PoolConfig, kv: KVTransferConfig
+    pg,
+    name: str,
+    worker_id: str,
+    role: Role,
+    engine: dict,
+    pool: PoolConfig,
+    kv: KVTransferConfig,
+    otlp_traces_endpoint: str | None = None,
 ):
-    """The worker's driver actor in bundle 0 of `pg` (its other shards take the rest)."""
+    """The worker's driver actor in bundle 0 of `pg` (its other shards take the rest);
+    `otlp_traces_endpoint`: where it exports traced requests' spans."""
     return (
         ray.remote(WORKER_CLASSES[role])
         .options(
@@ -59,6 +67,7 @@ def start_worker_in(
             pool.torch_threads,
             {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
             pool.price_per_hour,
+            otlp_traces_endpoint,
         )
     )
 

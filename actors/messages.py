@@ -31,6 +31,9 @@ class EngineRequest:
     # with the prompt; its deltas go on from the next token)
     generated_token_ids: list[int] = field(default_factory=list)
     priority: int = 0  # under scheduling_policy "priority": lower runs first (vLLM's)
+    # the request's trace context (W3C `traceparent`) when it is traced (kvray/tracing.py):
+    # the worker records its spans under it
+    trace: dict[str, str] | None = None
 
 
 @dataclass

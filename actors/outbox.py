@@ -15,13 +15,27 @@ import time
 from collections.abc import AsyncIterator
 
 from kvray.actors.messages import Delta, DeltaInfo
+from kvray.actors.request_spans import record_engine_spans
 from kvray.actors.signals import RecentMean
 from kvray.engine import RequestOutput
+from kvray.tracing import Tracing
 
 
 class Outbox:
-    def __init__(self, loop: asyncio.AbstractEventLoop, price_per_hour: float = 0.0):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        price_per_hour: float = 0.0,
+        tracing: Tracing | None = None,
+        attributes: dict | None = None,
+    ):
+        """`tracing` (None: off): a traced request's engine spans are recorded as it
+        finishes here, with `attributes` (the worker's)."""
         self.loop = loop
+        self.tracing = tracing
+        self.attributes = attributes or {}
+        # request id -> (its trace context, the phases it runs here): traced requests only
+        self.traces: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {}
         self.price_per_second = price_per_hour / 3600.0
         self.destination: dict[str, str] = {}  # request id -> the front that owns it
         self.pending: dict[str, list[Delta]] = {}  # front -> deltas not yet streamed
@@ -31,15 +45,22 @@ class Outbox:
         self.ttft = RecentMean()  # arrival here -> first token (autoscaling signals)
         self.itl = RecentMean()  # seconds between a request's tokens
 
-    def register(self, request_id: str, destination: str) -> None:
+    def register(
+        self, request_id: str, destination: str, trace: dict[str, str] | None = None, prefilled: bool = False
+    ) -> None:
+        """Stream `request_id`'s deltas to `destination`; `trace`: its trace context when
+        traced (`prefilled`: its queue and prefill ran on a prefill worker)."""
         self.destination[request_id] = destination
         self.last_token[request_id] = -time.monotonic()  # negative: no token yet
+        if trace is not None and self.tracing is not None:
+            self.traces[request_id] = (trace, ("decode",) if prefilled else ("queue", "prefill", "decode"))
         self._front(destination)
 
     def unregister(self, request_id: str) -> None:
         """The engine refused the request: nothing will come for it."""
         self.destination.pop(request_id, None)
         self.last_token.pop(request_id, None)
+        self.traces.pop(request_id, None)
 
     def requests_of(self, destination: str) -> list[str]:
         return [rid for rid, d in self.destination.items() if d == destination]
@@ -53,6 +74,7 @@ class Outbox:
         if delta.finish_reason is not None:
             del self.destination[delta.request_id]
             del self.last_token[delta.request_id]
+            self.traces.pop(delta.request_id, None)
         pending = self.pending.get(destination)
         if pending is not None:  # (None: its front is gone, its stream ending)
             pending.append(delta)
@@ -82,6 +104,7 @@ class Outbox:
         for rid in request_ids:
             destination = self.destination.pop(rid, None)
             self.last_token.pop(rid, None)
+            self.traces.pop(rid, None)
             if destination is not None and destination in self.pending:
                 self.pending[destination].append(
                     Delta(rid, [], "", None, None, None, DeltaInfo(worker_failed=str(error)))
@@ -97,6 +120,9 @@ class Outbox:
         if c.finish_reason is not None:
             share = out.metrics.step_seconds if out.metrics is not None else 0.0
             info = (info or DeltaInfo())._replace(cost_usd=self.price_per_second * share)
+            traced = self.traces.pop(out.request_id, None)
+            if traced is not None and out.metrics is not None:
+                record_engine_spans(self.tracing, traced[0], out.metrics, self.attributes, traced[1])
         return Delta(out.request_id, c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason, info)
 
     # ---- the front's side ---------------------------------------------------------------
@@ -128,6 +154,7 @@ class Outbox:
         for rid in orphans:
             del self.destination[rid]
             del self.last_token[rid]
+            self.traces.pop(rid, None)
         self.pending.pop(destination, None)
         self.wakeup.pop(destination, None)
         return orphans

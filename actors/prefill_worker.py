@@ -16,6 +16,7 @@ import torch
 from kvray.actors.connectors import KVSource
 from kvray.actors.kv_socket import socket_address
 from kvray.actors.messages import TRANSFER_BUCKETS, EngineRequest, PrefillResult
+from kvray.actors.request_spans import record_engine_spans
 from kvray.actors.signals import RecentMean
 from kvray.actors.worker import EngineWorker, Role
 from kvray.engine.kv_transfer import prefill_params
@@ -65,6 +66,8 @@ class PrefillWorker(EngineWorker):
         if first.logprobs:
             first_logprobs = TokenLogprobs.of(first.token_ids[0], first.logprobs[0], req.params.logprobs)
         metrics = final.metrics
+        if self.tracing is not None and req.trace is not None and metrics is not None:
+            record_engine_spans(self.tracing, req.trace, metrics, self.span_attributes, ("queue", "prefill"))
         return PrefillResult(
             rid,
             first.token_ids[0],

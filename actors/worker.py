@@ -39,6 +39,7 @@ from kvray.engine.kv_handoff import LeasePolicy
 from kvray.engine.request_limits import RequestLimits
 from kvray.errors import EngineDeadError, KvrayError
 from kvray.timeouts import wait_for
+from kvray.tracing import Tracing, traces_endpoint
 
 logger = logging.getLogger(__name__)
 Role = Literal["prefill", "decode", "mixed"]
@@ -66,13 +67,18 @@ class EngineWorker:
         torch_threads: int | None = None,
         shard_resources: dict | None = None,
         price_per_hour: float = 0.0,
+        otlp_traces_endpoint: str | None = None,
     ):
         """`shard_resources` ({"num_cpus", "num_gpus"}): what each of the other shards of a
         tp x pp > 1 worker reserves; they start in this actor's placement group.
-        `price_per_hour` (USD): what a request costs is this times its share of the steps."""
+        `price_per_hour` (USD): what a request costs is this times its share of the steps.
+        `otlp_traces_endpoint`: where traced requests' spans go (kvray/tracing.py)."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
+        endpoint = traces_endpoint(otlp_traces_endpoint)
+        self.tracing = Tracing(endpoint, self.role) if endpoint else None
+        self.span_attributes = {"kvray.worker_id": worker_id, "kvray.role": self.role}
         self.kv_config = KVTransferConfig(**(kv_config or {}))
         # the hand-off's timing rules this worker applies (lease, hold, the pin's end)
         self.lease = LeasePolicy(self.kv_config.lease_seconds, self.kv_config.pull_timeout_seconds)
@@ -147,13 +153,14 @@ class EngineWorker:
 
     def _outbox(self) -> Outbox:
         if self.outbox is None:
-            self.outbox = Outbox(asyncio.get_running_loop(), self.price_per_hour)
+            loop = asyncio.get_running_loop()
+            self.outbox = Outbox(loop, self.price_per_hour, self.tracing, self.span_attributes)
         return self.outbox
 
-    def _admit(self, req: EngineRequest) -> Outbox:
+    def _admit(self, req: EngineRequest, prefilled: bool = False) -> Outbox:
         self._check_accepting(req.request_id)
         outbox = self._outbox()
-        outbox.register(req.request_id, req.destination)
+        outbox.register(req.request_id, req.destination, req.trace, prefilled)
         return outbox
 
     async def generate(self, req: EngineRequest) -> None:
@@ -242,6 +249,8 @@ class EngineWorker:
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)  # its loop releases the shards' serve loops
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # export what is buffered
         for shard in self.shards:
             ray.kill(shard)
         self.shards = []

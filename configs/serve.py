@@ -31,3 +31,8 @@ class ServeConfig(DeploymentConfig):
     direct_ingress: bool = False
     http_host: str = "127.0.0.1"  # direct ingress only; `kvray serve/deploy` set both
     http_port: int = Field(8000, ge=1, le=65535)
+    # OpenTelemetry traces (vLLM's --otlp-traces-endpoint): the OTLP/HTTP URL that the
+    # ingress replicas and the workers export request spans to, e.g.
+    # http://collector:4318/v1/traces. None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT where a
+    # process has it, else no tracing (nothing traced, nothing imported).
+    otlp_traces_endpoint: str | None = None

@@ -29,7 +29,6 @@ import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ray
@@ -40,23 +39,19 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvray.configs import DeploymentConfig, ServeConfig
-from kvray.errors import KvrayError
 from kvray.router import metrics
 from kvray.router.api_error import APIError, internal_error
 from kvray.router.direct_http import DirectHTTP
 from kvray.router.embedding_pool import embedding_deployment
 from kvray.router.embeddings_route import EmbeddingsRequest, EmbeddingsRoute
 from kvray.router.frontend import Frontend
+from kvray.router.generation import Generation
 from kvray.router.ingest import Ingest
 from kvray.router.ingress_parts import (
     Admission,
-    api_error_of,
-    cause,
     check_auth,
     load_config,
     load_tokenizer,
-    num_prompt_tokens,
-    prepare,
     publish_forever,
     read_json,
 )
@@ -69,16 +64,15 @@ from kvray.router.protocol import (
     TokenizeRequest,
 )
 from kvray.router.request_body import validate_body
-from kvray.router.responses import Usage
 from kvray.router.responses_api import ResponsesRequest
 from kvray.router.responses_route import ResponsesRoute
 from kvray.router.router_deployment import RouterDeployment
-from kvray.router.streams import all_or_none, merge, sse, unless_disconnected
+from kvray.router.streams import sse, unless_disconnected
 from kvray.timeouts import wait_for
+from kvray.tracing import Tracing, traces_endpoint
 
 logger = logging.getLogger(__name__)
 CONTROL_CALL_S = 5.0  # /health and /metrics answer 503 when the control plane takes longer
-INGEST_THREADS = 2  # per ingress replica: one long grammar compile does not hold up the rest
 
 app = FastAPI(title="kvray", description="OpenAI-compatible LLM serving on Ray")
 
@@ -150,22 +144,23 @@ class OpenAIIngress:
         self.tokenizer, eos = load_tokenizer(self.config.engine_config().model)
         parser = self.config.tool_call_parser
         self.ingest = Ingest(self.tokenizer, self.limits, self.config.model_name, parser, eos)
-        # templating, tokenizing and compiling grammars off the event loop: a large body
-        # never stalls the streams this replica serves
-        self.ingest_thread = ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="kvray-ingest")
         self.admission = Admission(self.config.max_queued_requests, self.config.retry_after_seconds)
         self.replica = serve.get_replica_context().replica_id.unique_id  # which one answered
         deployment = DeploymentConfig(**self.config.model_dump(include=set(DeploymentConfig.model_fields)))
         self.front_id = f"{self.config.app_name}-ingress-{self.replica}-{uuid.uuid4().hex[:6]}"
         me = ray.get_runtime_context().current_actor  # the workers watch it: its requests die with it
-        self.frontend = Frontend(router, deployment, self.front_id, handle=me)
+        endpoint = traces_endpoint(self.config.otlp_traces_endpoint)
+        tracing = Tracing(endpoint, "ingress") if endpoint else None  # None: requests untraced
+        self.frontend = Frontend(router, deployment, self.front_id, handle=me, tracing=tracing)
+        self.generation = Generation(self.config, self.ingest, self.admission, self.frontend, tracing)
         key = metrics.front_key(self.config.app_name, self.front_id)
         self.publisher = asyncio.get_running_loop().create_task(
             publish_forever(self.config.app_name, self.front_id, self.frontend, key)
         )
         # /v1/responses through the chat path; its stored conversations in this replica
         self.responses = ResponsesRoute(
-            lambda body: self._complete(body, True), lambda body: self._stream(body, True)
+            lambda body, headers=None: self.generation.complete(body, True, headers),
+            lambda body, headers=None: self.generation.stream(body, True, headers),
         )
         embedding_model = self.config.embedding.engine["model"] if self.config.embedding else None
         self.embedding_route = EmbeddingsRoute(embedding, embedding_model, self.admission)
@@ -182,8 +177,8 @@ class OpenAIIngress:
         """Serve stops the replica: stop accepting, let streams in flight finish."""
         if getattr(self, "http", None) is not None:
             await self.http.stop()
-        if getattr(self, "ingest_thread", None) is not None:
-            self.ingest_thread.shutdown(wait=False)
+        if getattr(self, "generation", None) is not None:
+            self.generation.close()
         parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
         if parent is not None and inspect.isawaitable(done := parent()):
             await done
@@ -232,19 +227,13 @@ class OpenAIIngress:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt", code="invalid_value")
         with self.admission.admitted(1):
-            ids, strs = await self._off_loop(self.ingest.tokenize, req)
+            ids, strs = await self.generation.off_loop(self.ingest.tokenize, req)
         return {
             "count": len(ids),
             "max_model_len": self.limits.max_model_len,
             "tokens": ids,
             "token_strs": strs,
         }
-
-    async def _off_loop(self, fn, *args):
-        """fn(*args) on the ingest threads (templating, tokenizing, compiling grammars).
-        Bodies waiting for them count against `max_queued_requests` too (503 past it)."""
-        with self.admission.ingesting():
-            return await asyncio.get_running_loop().run_in_executor(self.ingest_thread, fn, *args)
 
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> dict:
@@ -291,10 +280,10 @@ class OpenAIIngress:
         check_auth(request, self.config.api_key)
         body = await read_json(request, self.config.max_body_bytes)
         if body.get("stream"):
-            gen = self._stream(body, chat)
+            gen = self.generation.stream(body, chat, request.headers)
             await anext(gen)  # validated and admitted: errors so far are still plain HTTP errors
             return StreamingResponse(sse(gen), media_type="text/event-stream")  # (it sees disconnects)
-        answer = await unless_disconnected(request, self._complete(body, chat))
+        answer = await unless_disconnected(request, self.generation.complete(body, chat, request.headers))
         if answer is None:  # the client left: its requests were aborted; nobody reads this
             return Response(status_code=499)
         return JSONResponse(answer)
@@ -306,7 +295,7 @@ class OpenAIIngress:
         -> its response body."""
         if "input" in request:
             return await self.responses.answer(request)
-        return await self._complete(request, chat="messages" in request)
+        return await self.generation.complete(request, chat="messages" in request)
 
     async def generate_stream(self, request: dict) -> AsyncIterator[dict]:
         """An OpenAI request body -> its stream chunks (with a usage chunk if asked), or a
@@ -314,7 +303,7 @@ class OpenAIIngress:
         if "input" in request:
             gen = self.responses.events(request)
         else:
-            gen = self._stream(request, chat="messages" in request)
+            gen = self.generation.stream(request, chat="messages" in request)
         await anext(gen)
         try:
             async for chunk in gen:
@@ -325,72 +314,3 @@ class OpenAIIngress:
     async def embeddings(self, request: dict) -> dict:
         """An OpenAI embeddings body -> its response body (the embedding pool's)."""
         return await self.embedding_route.answer(request)
-
-    # ---- the work -----------------------------------------------------------------------
-
-    async def _complete(self, body: dict, chat: bool) -> dict:
-        req, builder, jobs = await self._prepared(body, chat)
-        with self.admission.admitted(len(jobs)):
-            try:
-                finals = await all_or_none([self._final(*job) for job in jobs])
-            except KvrayError as e:
-                raise api_error_of(e, builder.request_id) from None
-            except APIError:
-                raise
-            except Exception as e:  # noqa: BLE001 (logged with the request's id; the client gets the id)
-                logger.error("kvray ingress: request %s failed", builder.request_id, exc_info=e)
-                raise internal_error(builder.request_id) from None
-        usage = Usage(num_prompt_tokens(jobs, req.n), sum(len(f.token_ids) for f in finals))
-        return builder.body(dict(enumerate(finals)), usage)
-
-    async def _stream(self, body: dict, chat: bool) -> AsyncIterator[dict]:
-        """None once validated and admitted, then the chunks. An error after that ends
-        the stream with one OpenAI error event (the SSE framing then sends [DONE])."""
-        req, builder, jobs = await self._prepared(body, chat)
-        prompt_tokens = num_prompt_tokens(jobs, req.n)
-        with self.admission.admitted(len(jobs)):
-            yield None  # validated and admitted: the caller may start the response now
-            outs = {}
-            try:
-                async for index, out in merge([self._outputs(*job) for job in jobs]):
-                    outs[index] = out
-                    so_far = None
-                    if req.continuous_usage:
-                        so_far = Usage(prompt_tokens, sum(len(c.token_ids) for c in outs.values()))
-                    chunk = builder.delta_chunk(index, out, req.include_usage, so_far)
-                    if chunk is not None:
-                        yield chunk
-            except KvrayError as e:
-                yield api_error_of(e, builder.request_id).body()
-                return
-            except Exception as e:  # noqa: BLE001 (logged with the request's id; the client gets the id)
-                logger.error("kvray ingress: stream %s failed", builder.request_id, exc_info=e)
-                yield internal_error(builder.request_id).body()
-                return
-            if req.include_usage:
-                done = sum(len(c.token_ids) for c in outs.values())
-                yield builder.usage_chunk(Usage(prompt_tokens, done))
-
-    async def _prepared(self, body: dict, chat: bool):
-        """ingress_parts.prepare on the ingest threads."""
-        return await self._off_loop(prepare, self.config, self.ingest, self.tokenizer, body, chat)
-
-    async def _outputs(
-        self, rid: str, prompt_token_ids: list[int], params, timeout_s=None, priority: int = 0
-    ):
-        """One engine request's cumulative CompletionOutput after every delta; leaving
-        early aborts it everywhere."""
-        gen = self.frontend.generate(rid, prompt_token_ids, params, timeout_s, priority)
-        try:
-            async for out in gen:
-                yield out
-        except ray.exceptions.RayTaskError as e:
-            raise cause(e) from None
-        finally:
-            await gen.aclose()
-
-    async def _final(self, rid: str, prompt_token_ids: list[int], params, timeout_s=None, priority: int = 0):
-        final = None
-        async for final in self._outputs(rid, prompt_token_ids, params, timeout_s, priority):  # noqa: B007 (keep the last)
-            pass
-        return final

@@ -38,6 +38,7 @@ from kvray.router.metrics import RequestStats, RequestTimer
 from kvray.router.router import DEAD, NoWorkerError
 from kvray.routing import prefix_key
 from kvray.timeouts import wait_for
+from kvray.tracing import RequestTrace, Tracing
 
 logger = logging.getLogger(__name__)
 ROUTER_WAIT_S = 60.0  # how long a front keeps asking a Router that is (re)starting
@@ -66,12 +67,20 @@ class WorkerDiedError(KvrayError):
 
 class Frontend:
     def __init__(
-        self, router, config: DeploymentConfig, front_id: str, stats: RequestStats | None = None, handle=None
+        self,
+        router,
+        config: DeploymentConfig,
+        front_id: str,
+        stats: RequestStats | None = None,
+        handle=None,
+        tracing: Tracing | None = None,
     ):
         """`router`: a handle to the Router (a Serve deployment handle or an actor handle:
         `router.route.remote(...)` is awaited either way). `handle`: the actor this front
-        runs in (the workers watch it, and abort its requests should it die)."""
+        runs in (the workers watch it, and abort its requests should it die). `tracing`:
+        this process's tracer (None: off)."""
         self.router = router
+        self.tracing = tracing
         self.handle = handle
         self.config = config
         self.front_id = front_id
@@ -102,6 +111,7 @@ class Frontend:
         params: SamplingParams,
         timeout_s: float | None = None,
         priority: int = 0,
+        trace: RequestTrace | None = None,
     ) -> AsyncIterator[CompletionOutput]:
         """Run one request (one sample); yields its CompletionOutput, cumulative, after
         every delta (the same object, grown in place: read it before the next one).
@@ -109,11 +119,15 @@ class Frontend:
         Past its deadline (`timeout_s`, default `router.request_timeout_s`) the request is
         aborted everywhere: RequestTimeoutError if it had no output yet, else its stream
         ends with finish_reason "abort". While its pool has no live worker it waits for
-        one to join, until the deadline (then NoWorkerError)."""
+        one to join, until the deadline (then NoWorkerError). `trace`: the request's trace
+        (each worker chosen is a `route` span; the workers record theirs under it)."""
         deadline = time.monotonic() + (timeout_s or self.config.router.request_timeout_s)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        req = EngineRequest(request_id, prompt_token_ids, params, self.front_id, priority=priority)
-        timer = RequestTimer(self.stats, len(prompt_token_ids))
+        carrier = trace.carrier if trace is not None else None
+        req = EngineRequest(
+            request_id, prompt_token_ids, params, self.front_id, priority=priority, trace=carrier
+        )
+        timer = RequestTimer(self.stats, len(prompt_token_ids), trace=trace)
         out = CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None)
         key = prefix_key(prompt_token_ids, self.block_size, self.config.router.affinity_blocks)
         touched: dict[str, object] = {}  # worker id -> handle: who must hear of an abort
@@ -201,7 +215,8 @@ class Frontend:
         self, req: EngineRequest, key, touched: dict, deadline: float
     ) -> tuple[object, PrefillResult]:
         num_tokens = len(req.prompt_token_ids)
-        async with aclosing(self._attempts("prefill", key, [], touched, deadline, num_tokens)) as workers:
+        attempts = self._attempts("prefill", key, [], touched, deadline, num_tokens, req.trace)
+        async with aclosing(attempts) as workers:
             async for _, handle in workers:
                 try:
                     return handle, await _until(handle.prefill.remote(req), deadline, req.request_id)
@@ -225,7 +240,7 @@ class Frontend:
         its next token (counted while it waits for a worker to join the pool). A worker
         that fails before its first delta is retried elsewhere; one that dies after it is
         a WorkerDiedError (the caller migrates the request)."""
-        attempts = self._attempts(role, key, list(exclude), touched, deadline, to_compute)
+        attempts = self._attempts(role, key, list(exclude), touched, deadline, to_compute, req.trace)
         async with aclosing(attempts) as workers:
             async for wid, handle in workers:
                 inbox = self._inbox(wid, handle)
@@ -255,15 +270,26 @@ class Frontend:
                     inbox.unregister(req.request_id)
 
     async def _attempts(
-        self, role: str, key, tried: list[str], touched: dict, deadline: float, num_tokens: int
+        self,
+        role: str,
+        key,
+        tried: list[str],
+        touched: dict,
+        deadline: float,
+        num_tokens: int,
+        trace: dict | None = None,
     ) -> AsyncIterator[tuple[str, object]]:
         """The front's one retry rule: workers of `role` to try in turn, each one the
         Router picks among those not `tried` (and recorded in `touched`, who must hear of
         an abort). Asking for the next means the last one failed before it served the
         request (it refused, died or vanished); after router.max_retries failures,
-        NoWorkerError."""
+        NoWorkerError. Each choice is a `route` span of the request's `trace`."""
         while True:
+            start = time.time_ns()
             wid, handle = await self._route(role, key, tried, deadline, num_tokens)
+            if trace is not None and self.tracing is not None:
+                attributes = {"kvray.role": role, "kvray.worker_id": wid, "kvray.retry": len(tried)}
+                self.tracing.record("route", trace, start, time.time_ns(), attributes)
             touched[wid] = handle
             yield wid, handle
             tried.append(wid)

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvray.actors.messages import TRANSFER_BUCKETS, WorkerStats
+from kvray.tracing import TIME_IN_QUEUE, RequestTrace
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -134,12 +135,15 @@ class RequestTimer:
     num_tokens: int = 0
     cost_usd: float = 0.0
     queue_seen: bool = False
+    trace: RequestTrace | None = None  # the request's trace (its root span gets the queue time)
 
     def on_queue_time(self, seconds: float | None) -> None:
         """The queue time of the engine that ran the prompt (observed once)."""
         if seconds is not None and not self.queue_seen:
             self.queue_seen = True
             self.stats.observe("request_queue_time_seconds", seconds)
+            if self.trace is not None:
+                self.trace.set({TIME_IN_QUEUE: seconds})
 
     def on_tokens(self, new: int) -> None:
         if new <= 0:

@@ -44,7 +44,9 @@ class PoolReplica:
         engine = cfg.pool_engine(role)
         pg = ray.util.get_current_placement_group()
         name = f"{cfg.app_name}-{self.worker_id}"
-        self.worker = start_worker_in(pg, name, self.worker_id, role, engine, pool, cfg.kv_transfer)
+        self.worker = start_worker_in(
+            pg, name, self.worker_id, role, engine, pool, cfg.kv_transfer, cfg.otlp_traces_endpoint
+        )
         await self.worker.ready.remote()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -148,13 +148,14 @@ class ResponseEvents:
 
 
 class ResponsesRoute:
-    """The route's work, given the ingress's chat path: `complete(body)` -> a chat
-    completion body, `stream(body)` -> None once admitted, then its chunks."""
+    """The route's work, given the ingress's chat path: `complete(body, headers)` -> a chat
+    completion body, `stream(body, headers)` -> None once admitted, then its chunks (the
+    HTTP headers: a trace's parent)."""
 
     def __init__(
         self,
-        complete: Callable[[dict], Awaitable[dict]],
-        stream: Callable[[dict], AsyncIterator[dict | None]],
+        complete: Callable[..., Awaitable[dict]],
+        stream: Callable[..., AsyncIterator[dict | None]],
         store: ResponseStore | None = None,
     ):
         self.complete, self.stream = complete, stream
@@ -163,10 +164,10 @@ class ResponsesRoute:
     async def http(self, request: Request, body: dict) -> Response:
         key = key_of(request.headers.get("authorization"))
         if body.get("stream"):
-            events = self.events(body, key)
+            events = self.events(body, key, request.headers)
             await anext(events)  # validated and admitted: errors so far are plain HTTP errors
             return StreamingResponse(_sse(events), media_type="text/event-stream")
-        answer = await unless_disconnected(request, self.answer(body, key))
+        answer = await unless_disconnected(request, self.answer(body, key, request.headers))
         return Response(status_code=499) if answer is None else JSONResponse(answer)
 
     def _prepare(self, body: dict, key: str) -> tuple[ResponsesRequest, dict, list[dict]]:
@@ -181,23 +182,23 @@ class ResponsesRoute:
         if req.store:
             self.store.put(key, body["id"], [*conversation, reply.assistant_message()])
 
-    async def answer(self, body: dict, key: str = "") -> dict:
+    async def answer(self, body: dict, key: str = "", headers=None) -> dict:
         """The Response object of a request body (not streamed)."""
         req, chat, conversation = await asyncio.to_thread(self._prepare, body, key)
         chat["stream"] = False
         try:
-            reply = Reply.of_chat(await self.complete(chat))
+            reply = Reply.of_chat(await self.complete(chat, headers))
         except APIError as e:
             raise renamed(e) from None
         answer = response_body(req, new_id("resp"), now(), reply, output_items(reply))
         await asyncio.to_thread(self._keep, req, key, answer, conversation, reply)
         return answer
 
-    async def events(self, body: dict, key: str = "") -> AsyncIterator[dict | None]:
+    async def events(self, body: dict, key: str = "", headers=None) -> AsyncIterator[dict | None]:
         """None once validated and admitted, then the Responses events."""
         req, chat, conversation = await asyncio.to_thread(self._prepare, body, key)
         chat.update(stream=True, stream_options={"include_usage": True})  # (a handle's body may not say)
-        chunks = self.stream(chat)
+        chunks = self.stream(chat, headers)
         try:
             try:
                 await anext(chunks)

@@ -12,7 +12,7 @@ os.environ.setdefault("KVRAY_NATIVE_CHECKS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from pd_cluster import local_ray, offline, offline_llm  # noqa: F401,E402 (the disaggregated tests' fixtures)
-from serve_fixtures import apps, client, colo_server, http, server  # noqa: F401,E402 (the Serve apps' fixtures)
+from serve_fixtures import apps, client, colo_server, http, otlp, server  # noqa: F401,E402 (the Serve apps' fixtures)
 
 if not torch.cuda.is_available():  # Triton kernels run interpreted on CPUs
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -25,7 +25,22 @@ EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 @pytest.fixture(scope="session")
-def apps(tmp_path_factory, engine_args) -> dict[str, str]:
+def otlp():
+    """The OTLP receiver the PD app's processes export their request spans to
+    (benchmarks/otlp_receiver.py: the tracing benchmark's too)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from otlp_receiver import OTLPReceiver
+
+    receiver = OTLPReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def apps(tmp_path_factory, engine_args, otlp) -> dict[str, str]:
     ray = pytest.importorskip("ray")
     from ray import serve
 
@@ -47,13 +62,20 @@ def apps(tmp_path_factory, engine_args) -> dict[str, str]:
         "api_key": API_KEY,
         "max_body_bytes": 64 << 10,
         "max_queued_requests": MAX_QUEUED,
+        "otlp_traces_endpoint": otlp.endpoint,  # traced (tests/test_serve_tracing.py)
     }
     serve.run(build_app(config), name="kvray", route_prefix="/")
     # the colocated preset's shape beside it: one mixed worker, its own app and HTTP port
     colo_port = free_port()
     # ... scheduling by priority, two requests at a time (tests/test_serve_priority.py)
     mixed = {**pool, "engine": {"scheduling_policy": "priority", "max_num_seqs": 2}}
-    colo = {**config, "app_name": "colo", "disaggregated": False, "mixed": mixed}
+    colo = {
+        **config,
+        "app_name": "colo",
+        "disaggregated": False,
+        "mixed": mixed,
+        "otlp_traces_endpoint": None,
+    }
     # ... and an embedding worker (tests/test_serve_embeddings.py)
     colo["embedding"] = {"num_cpus": 0, "torch_threads": 1, "engine": {"model": EMBEDDING_MODEL}}
     colo.update(direct_ingress=True, http_host="127.0.0.1", http_port=colo_port, metrics_need_api_key=True)

@@ -219,7 +219,7 @@ def test_a_stored_response_continues_and_an_unstored_one_does_not():
     turn's conversation and reply, but not its instructions (OpenAI's rule)."""
     seen = []
 
-    async def complete(chat):
+    async def complete(chat, headers=None):
         seen.append(chat)
         usage = {"prompt_tokens": 1, "completion_tokens": 1}
         return {
@@ -227,7 +227,7 @@ def test_a_stored_response_continues_and_an_unstored_one_does_not():
             "usage": usage,
         }
 
-    async def stream(chat):  # not used here
+    async def stream(chat, headers=None):  # not used here
         yield None
 
     route = ResponsesRoute(complete, stream)

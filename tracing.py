@@ -1,0 +1,142 @@
+"""Request traces over OpenTelemetry (vLLM's `--otlp-traces-endpoint`): one trace per HTTP
+request, exported by every process that works on it to the same OTLP/HTTP endpoint.
+
+The ingress replica opens the request's root span, `llm_request` (a SERVER span; its parent
+the client's `traceparent` header when it sends one), with vLLM's `gen_ai.*` attributes,
+and records `ingress` (validate, template, tokenize), one `route` per worker chosen and
+`finish` under it. The root's W3C context travels with the request to its workers (the
+`trace` field of `EngineRequest`: a `traceparent` string through Ray), which record their
+parts as spans under the same root when the request leaves them: `queue`, `prefill`,
+`kv_pull` and `decode`. Spans are recorded whole, with the times their process measured
+(an engine's monotonic clock mapped to the wall clock), so nothing is held open across
+calls and no step waits on tracing.
+
+Tracing is on where the serve config's `otlp_traces_endpoint` is set, or where the process
+sees OpenTelemetry's `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; `OTEL_SERVICE_NAME`,
+`OTEL_EXPORTER_OTLP_TRACES_HEADERS` and `OTEL_BSP_*` apply as usual. Off, no OpenTelemetry
+module is imported and a request carries `None`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+
+TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ROOT_SPAN = "llm_request"  # vLLM's name for a request's span
+
+# vLLM's span attribute names (vllm/tracing.py SpanAttributes)
+REQUEST_ID = "gen_ai.request.id"
+RESPONSE_MODEL = "gen_ai.response.model"
+MAX_TOKENS = "gen_ai.request.max_tokens"
+TEMPERATURE = "gen_ai.request.temperature"
+TOP_P = "gen_ai.request.top_p"
+N = "gen_ai.request.n"
+PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
+COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
+TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
+E2E = "gen_ai.latency.e2e"
+
+
+def traces_endpoint(configured: str | None = None) -> str | None:
+    """Where this process exports spans: the config's endpoint, else OpenTelemetry's
+    variable, else None (tracing off)."""
+    return configured or os.environ.get(TRACES_ENDPOINT_ENV) or None
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """A time.monotonic() reading of this process as wall-clock nanoseconds."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
+class Tracing:
+    """One process's tracer: an OTLP/HTTP exporter behind a batching processor."""
+
+    def __init__(self, endpoint: str, component: str):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        attributes = {"kvray.component": component}
+        if "OTEL_SERVICE_NAME" not in os.environ:
+            attributes["service.name"] = "kvray"
+        self.provider = TracerProvider(resource=Resource.create(attributes))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.provider.get_tracer("kvray")
+        self.propagator = TraceContextTextMapPropagator()
+
+    def request(
+        self, headers: Mapping[str, str] | None = None, attributes: dict | None = None
+    ) -> RequestTrace:
+        """A request's root span, started now; its parent the `traceparent` in `headers`."""
+        from opentelemetry.trace import SpanKind
+
+        parent = self.propagator.extract(dict(headers or {}))
+        span = self.tracer.start_span(ROOT_SPAN, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        return RequestTrace(self, span)
+
+    def record(
+        self,
+        name: str,
+        carrier: Mapping[str, str],
+        start_ns: int,
+        end_ns: int,
+        attributes: dict | None = None,
+    ) -> None:
+        """A finished span `name` under the span whose context `carrier` holds."""
+        parent = self.propagator.extract(dict(carrier))
+        span = self.tracer.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
+        span.end(end_time=max(end_ns, start_ns))
+
+    def shutdown(self) -> None:
+        """Export what is buffered, then stop."""
+        self.provider.shutdown()
+
+
+class RequestTrace:
+    """One request's root span in the ingress, and its context for the workers."""
+
+    def __init__(self, tracing: Tracing, span):
+        from opentelemetry.trace import set_span_in_context
+
+        self.tracing = tracing
+        self.span = span
+        self.carrier: dict[str, str] = {}
+        tracing.propagator.inject(self.carrier, context=set_span_in_context(span))
+        self.start_ns: int = span.start_time
+        self.ended = False
+
+    def record(
+        self, name: str, start_ns: int, end_ns: int | None = None, attributes: dict | None = None
+    ) -> None:
+        """A finished child span of the root (`end_ns` None: now)."""
+        self.tracing.record(name, self.carrier, start_ns, end_ns or time.time_ns(), attributes)
+
+    def set(self, attributes: dict) -> None:
+        self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+    def first_token(self) -> None:
+        """The request's first token reached the ingress now (the first of its samples)."""
+        if not self.span.attributes.get(TIME_TO_FIRST_TOKEN):
+            self.span.set_attribute(TIME_TO_FIRST_TOKEN, (time.time_ns() - self.start_ns) / 1e9)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End the root span (with an error status if it failed, not if its client left);
+        once."""
+        if self.ended:
+            return
+        self.ended = True
+        if isinstance(error, GeneratorExit | asyncio.CancelledError):  # the client left: not a failure
+            self.span.set_attribute("kvray.client_left", True)
+        elif error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.record_exception(error)
+            self.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        self.span.set_attribute(E2E, (time.time_ns() - self.start_ns) / 1e9)
+        self.span.end()
