@@ -13,8 +13,8 @@ calls and no step waits on tracing.
 
 Tracing is on where the serve config's `otlp_traces_endpoint` is set, or where the process
 sees OpenTelemetry's `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; `OTEL_SERVICE_NAME`,
-`OTEL_EXPORTER_OTLP_TRACES_HEADERS` and `OTEL_BSP_*` apply as usual. Off, no OpenTelemetry
-module is imported and a request carries `None`.
+`OTEL_EXPORTER_OTLP_TRACES_HEADERS` and `OTEL_BSP_*` apply as usual. Off, kvray makes no
+tracer and imports no exporter, and a request carries `None`.
 """
 
 from __future__ import annotations
@@ -47,9 +47,15 @@ def traces_endpoint(configured: str | None = None) -> str | None:
     return configured or os.environ.get(TRACES_ENDPOINT_ENV) or None
 
 
-def wall_ns(monotonic_s: float) -> int:
-    """A time.monotonic() reading of this process as wall-clock nanoseconds."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+def clock_offset_ns() -> int:
+    """Wall-clock nanoseconds minus time.monotonic_ns() in this process, now."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+def wall_ns(monotonic_s: float, offset_ns: int | None = None) -> int:
+    """A time.monotonic() reading of this process as wall-clock nanoseconds (`offset_ns`:
+    one clock_offset_ns() for several readings, so their differences stay exact)."""
+    return (clock_offset_ns() if offset_ns is None else offset_ns) + round(monotonic_s * 1e9)
 
 
 class Tracing:
@@ -63,7 +69,9 @@ class Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         attributes = {"kvray.component": component}
-        if "OTEL_SERVICE_NAME" not in os.environ:
+        if "OTEL_SERVICE_NAME" not in os.environ and "service.name" not in os.environ.get(
+            "OTEL_RESOURCE_ATTRIBUTES", ""
+        ):
             attributes["service.name"] = "kvray"
         self.provider = TracerProvider(resource=Resource.create(attributes))
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
@@ -72,13 +80,20 @@ class Tracing:
 
     def request(
         self, headers: Mapping[str, str] | None = None, attributes: dict | None = None
-    ) -> RequestTrace:
-        """A request's root span, started now; its parent the `traceparent` in `headers`."""
+    ) -> RequestTrace | None:
+        """A request's root span, started now; its parent the `traceparent` in `headers`.
+        None where the sampler drops it (a parent sent unsampled, `OTEL_TRACES_SAMPLER`,
+        `OTEL_SDK_DISABLED`): the request then goes untraced."""
         from opentelemetry.trace import SpanKind
 
         parent = self.propagator.extract(dict(headers or {}))
-        span = self.tracer.start_span(ROOT_SPAN, context=parent, kind=SpanKind.SERVER, attributes=attributes)
-        return RequestTrace(self, span)
+        start_ns = time.time_ns()
+        span = self.tracer.start_span(
+            ROOT_SPAN, context=parent, kind=SpanKind.SERVER, attributes=attributes, start_time=start_ns
+        )
+        if not span.is_recording():
+            return None
+        return RequestTrace(self, span, start_ns)
 
     def record(
         self,
@@ -101,14 +116,15 @@ class Tracing:
 class RequestTrace:
     """One request's root span in the ingress, and its context for the workers."""
 
-    def __init__(self, tracing: Tracing, span):
+    def __init__(self, tracing: Tracing, span, start_ns: int):
         from opentelemetry.trace import set_span_in_context
 
         self.tracing = tracing
         self.span = span
         self.carrier: dict[str, str] = {}
         tracing.propagator.inject(self.carrier, context=set_span_in_context(span))
-        self.start_ns: int = span.start_time
+        self.start_ns = start_ns
+        self.first_token_seen = False
         self.ended = False
 
     def record(
@@ -118,22 +134,29 @@ class RequestTrace:
         self.tracing.record(name, self.carrier, start_ns, end_ns or time.time_ns(), attributes)
 
     def set(self, attributes: dict) -> None:
-        self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        if not self.ended:
+            self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
 
     def first_token(self) -> None:
         """The request's first token reached the ingress now (the first of its samples)."""
-        if not self.span.attributes.get(TIME_TO_FIRST_TOKEN):
-            self.span.set_attribute(TIME_TO_FIRST_TOKEN, (time.time_ns() - self.start_ns) / 1e9)
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            self.set({TIME_TO_FIRST_TOKEN: (time.time_ns() - self.start_ns) / 1e9})
 
     def end(self, error: BaseException | None = None) -> None:
-        """End the root span (with an error status if it failed, not if its client left);
-        once."""
+        """End the root span, once: with an error status if it failed (not if the client
+        left, nor for the client's own 4xx mistakes, as OpenTelemetry's HTTP conventions)."""
         if self.ended:
             return
         self.ended = True
+        status = getattr(error, "status", None)  # an APIError's HTTP status
         if isinstance(error, GeneratorExit | asyncio.CancelledError):  # the client left: not a failure
             self.span.set_attribute("kvray.client_left", True)
+        elif isinstance(status, int) and status < 500:  # the client's error (OpenTelemetry's rule for 4xx)
+            self.span.set_attribute("http.response.status_code", status)
         elif error is not None:
+            if isinstance(status, int):
+                self.span.set_attribute("http.response.status_code", status)
             from opentelemetry.trace import Status, StatusCode
 
             self.span.record_exception(error)

@@ -7,7 +7,7 @@ here (they ran on its prefill worker): its `decode` runs from the step that took
 from __future__ import annotations
 
 from kvray.engine.outputs import RequestMetrics
-from kvray.tracing import Tracing, wall_ns
+from kvray.tracing import Tracing, clock_offset_ns, wall_ns
 
 
 def record_engine_spans(
@@ -24,7 +24,8 @@ def record_engine_spans(
         "prefill": (scheduled, first),
         "decode": (first if "prefill" in phases else scheduled or metrics.arrival_time, last),
     }
+    offset = clock_offset_ns()
     for name in phases:
         start, end = spans[name]
         if start is not None and end is not None and end >= start:
-            tracing.record(name, carrier, wall_ns(start), wall_ns(end), attributes)
+            tracing.record(name, carrier, wall_ns(start, offset), wall_ns(end, offset), attributes)

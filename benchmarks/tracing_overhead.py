@@ -3,10 +3,12 @@ tracing off (no `otlp_traces_endpoint`: nothing imported, nothing recorded), on 
 request's spans exported to an OTLP/HTTP receiver this process runs, on the same machine),
 and, with `--baseline-src`, from a kvray tree without tracing at all (what "off" must
 match). Rows interleave over `--rounds`; the table shows medians and each round's ratio to
-that round's tracing-off row.
+that round's tracing-off row. First, in this process, the CPU a traced request's spans
+cost (its root and the eight spans of a disaggregated request, recorded and exported to
+the receiver), which a served run's noise (10 % between minutes on a shared VM) hides.
 
     python benchmarks/tracing_overhead.py [--preset smollm2-cpu-pd] [--rounds 2]
-        [--baseline-src DIR] [--num-prompts 32] [--max-concurrency 16]
+        [--baseline-src DIR] [--num-prompts 32] [--max-concurrency 16] [--spans-only]
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -40,6 +43,29 @@ def load_args(args, seed: int, num_prompts: int) -> list[str]:
     ]  # fmt: skip
 
 
+def span_cost(endpoint: str, requests: int = 200) -> tuple[float, float]:
+    """CPU microseconds per traced request: the ingress's root with its attributes and the
+    spans every process of a disaggregated request records (on the recording thread; then
+    the process's, the exporter's thread and this process's receiver included: an upper
+    bound). 220 requests' spans fit the exporter's queue (2,048 spans): none dropped."""
+    from kvray.tracing import Tracing
+
+    tracing = Tracing(endpoint, "bench")
+    start, start_thread = 0.0, 0.0
+    for i in range(requests + 20):
+        if i == 20:  # the first ones import and warm up: not counted
+            start, start_thread = time.process_time(), time.thread_time()
+        trace = tracing.request({}, {"gen_ai.request.id": "cmpl-x", "gen_ai.request.max_tokens": 64})
+        now = time.time_ns()
+        for name in ("ingress", "route", "route", "queue", "prefill", "kv_pull", "decode", "finish"):
+            trace.record(name, now, now + 1000, {"kvray.role": "decode"})
+        trace.first_token()
+        trace.end()
+    recording = (time.thread_time() - start_thread) / requests * 1e6
+    tracing.shutdown()  # the exporter's work counts too
+    return recording, (time.process_time() - start) / requests * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -50,9 +76,18 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spans-only", action="store_true", help="only the per-request span cost")
     args = parser.parse_args()
 
     receiver = OTLPReceiver()
+    recording, total = span_cost(receiver.endpoint)
+    print(
+        f"spans of one traced request: {recording:.0f} us of CPU to record, {total:.0f} us with "
+        "exporting and receiving them",
+        flush=True,
+    )
+    if args.spans_only:
+        return
     model = load_config(args.preset).model_name
     rows = [("tracing off", None, None), ("tracing on (OTLP/HTTP, local receiver)", receiver.endpoint, None)]
     if args.baseline_src:

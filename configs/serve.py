@@ -34,5 +34,5 @@ class ServeConfig(DeploymentConfig):
     # OpenTelemetry traces (vLLM's --otlp-traces-endpoint): the OTLP/HTTP URL that the
     # ingress replicas and the workers export request spans to, e.g.
     # http://collector:4318/v1/traces. None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT where a
-    # process has it, else no tracing (nothing traced, nothing imported).
+    # process has it (as `kvray serve` starts: then every process uses it), else no tracing.
     otlp_traces_endpoint: str | None = None

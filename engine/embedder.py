@@ -45,9 +45,10 @@ def is_embedding_model(path: Path) -> bool:
     return any(a in EMBEDDING_ARCHITECTURES for a in architectures)
 
 
-def build_embedder(config: EngineConfig) -> Embedder | None:
+def build_embedder(config: EngineConfig, device: str | None = None) -> Embedder | None:
     """The Embedder of `config.model` when it is an embedding model (fp32 unless `dtype`
-    says otherwise; on the GPU where there is one), else None (a generative model)."""
+    says otherwise; on `device`, default the GPU where there is one), else None (a
+    generative model)."""
     from kvray.models.loader import resolve_model_path
 
     path = resolve_model_path(config.model)
@@ -58,7 +59,7 @@ def build_embedder(config: EngineConfig) -> Embedder | None:
             "tensor_parallel_size", config.tensor_parallel_size, "1 for an embedding model"
         )
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype, torch.float32)
-    return Embedder(path, dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+    return Embedder(path, dtype, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 class Embedder:

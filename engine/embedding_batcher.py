@@ -30,6 +30,15 @@ class _Job:
         return sum(map(len, self.token_ids))
 
 
+def _hand_back(job: _Job, result: torch.Tensor | None, error: BaseException | None = None) -> None:
+    """Settle the job's future on its caller's loop (from the batcher's thread); a loop
+    that has closed meanwhile has no caller left to tell."""
+    try:
+        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+    except RuntimeError:
+        pass
+
+
 def _settle(future: asyncio.Future, result: torch.Tensor | None, error: BaseException | None) -> None:
     if future.done():  # the caller left
         return
@@ -74,9 +83,7 @@ class EmbeddingBatcher:
         self._thread.join()
         while self._queue:  # never taken: their callers get an error, not a wait forever
             job = self._queue.popleft()
-            job.loop.call_soon_threadsafe(
-                _settle, job.future, None, RuntimeError("the embedding batcher closed")
-            )
+            _hand_back(job, None, RuntimeError("the embedding batcher closed"))
 
     def _take(self) -> list[_Job] | None:
         """The next batch's jobs (at least one, whatever its size), or None once closed."""
@@ -105,10 +112,10 @@ class EmbeddingBatcher:
                 vectors = self.embedder.embed([ids for job in jobs for ids in job.token_ids])
             except Exception as e:  # noqa: BLE001 (each caller of the batch gets the error)
                 for job in jobs:
-                    job.loop.call_soon_threadsafe(_settle, job.future, None, e)
+                    _hand_back(job, None, e)
                 continue
             start = 0
             for job in jobs:
                 end = start + len(job.token_ids)
-                job.loop.call_soon_threadsafe(_settle, job.future, vectors[start:end], None)
+                _hand_back(job, vectors[start:end])
                 start = end

@@ -108,6 +108,8 @@ def build_app(config: ServeConfig | dict | str | Path) -> serve.Application:
     if isinstance(config, dict) and set(config) == {"config"}:
         config = config["config"]
     cfg = load_config(config)
+    if cfg.otlp_traces_endpoint is None and traces_endpoint():  # one endpoint for every process
+        cfg = cfg.model_copy(update={"otlp_traces_endpoint": traces_endpoint()})
     router = RouterDeployment.options(name=f"{cfg.app_name}-router", num_replicas=cfg.router.num_replicas)
     actor_options: dict = {"num_cpus": 0}
     if cfg.direct_ingress:  # they listen where the app's URL points: the head node
@@ -178,7 +180,7 @@ class OpenAIIngress:
         if getattr(self, "http", None) is not None:
             await self.http.stop()
         if getattr(self, "generation", None) is not None:
-            self.generation.close()
+            await self.generation.close()
         parent = getattr(super(), "__del__", None)  # the ASGI wrapper's lifespan shutdown
         if parent is not None and inspect.isawaitable(done := parent()):
             await done
@@ -209,8 +211,12 @@ class OpenAIIngress:
     async def models(self, request: Request) -> dict:
         check_auth(request, self.config.api_key)
         cards = [(self.config.model_name, self.limits.max_model_len)]
-        if (info := await self.embedding_route.info()) is not None:
-            cards.append((self.embedding_route.model_name, info["max_model_len"]))
+        if self.embedding_route.model_name is not None:
+            try:
+                limit = (await self.embedding_route.info())["max_model_len"]
+            except APIError:  # the pool is not up yet: listed all the same
+                limit = None
+            cards.append((self.embedding_route.model_name, limit))
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvray", "max_model_len": limit}
             for name, limit in cards
@@ -247,8 +253,9 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 with every pool live; 503 when a pool has no live worker, or when the
-        control plane does not answer within CONTROL_CALL_S."""
+        """200 with every pool live; 503 when a pool has no live worker (the embedding
+        pool: none answers within CONTROL_CALL_S), or when the control plane does not
+        answer within CONTROL_CALL_S."""
         roles = self.config.roles
         try:
             pools = await wait_for(self.router.live_workers.remote(), CONTROL_CALL_S)
@@ -256,7 +263,11 @@ class OpenAIIngress:
             body = {"status": "unavailable", "error": f"the router did not answer: {type(e).__name__}"}
             return JSONResponse({**body, "replica": self.replica}, 503)
         ok = all(pools.get(r) for r in roles)
-        body = {"status": "ok" if ok else "degraded", "workers": pools, "replica": self.replica}
+        body = {"status": "ok", "workers": pools, "replica": self.replica}
+        if self.embedding_route.handle is not None:
+            body["embedding"] = await self.embedding_route.alive(CONTROL_CALL_S)
+            ok = ok and body["embedding"]
+        body["status"] = "ok" if ok else "degraded"
         return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics")

@@ -37,7 +37,9 @@ class EmbeddingReplica:
         if pool.torch_threads is not None:
             torch.set_num_threads(pool.torch_threads)
         engine = EngineConfig(**pool.engine)
-        embedder = build_embedder(engine)
+        # the GPU only where the pool reserved one (a GPU node's other workers size its memory)
+        device = "cuda" if pool.num_gpus > 0 and torch.cuda.is_available() else "cpu"
+        embedder = build_embedder(engine, device)
         if embedder is None:
             raise InvalidArgumentError(
                 "embedding.engine.model", engine.model, "an embedding model (e.g. all-minilm-l6-v2)"

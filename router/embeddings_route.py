@@ -18,9 +18,11 @@ from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router.api_error import APIError, internal_error
 from kvray.router.ingress_parts import Admission, cause
 from kvray.router.request_body import check_body, validate_body
+from kvray.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
+INFO_CALL_S = 5.0  # how long the model's card waits for the pool
 
 
 class EmbeddingsRequest(BaseModel):
@@ -39,12 +41,8 @@ class EmbeddingsRequest(BaseModel):
     @field_validator("input")
     @classmethod
     def _inputs(cls, value):
-        if (
-            value == ""
-            or value == []
-            or value == [""]
-            or (isinstance(value, list) and len(value) > MAX_INPUTS)
-        ):
+        items = [value] if isinstance(value, str) else value
+        if not items or len(items) > MAX_INPUTS or any(x == "" or x == [] for x in items):
             raise ValueError(f"1 to {MAX_INPUTS} non-empty inputs")
         return value
 
@@ -66,10 +64,24 @@ class EmbeddingsRoute:
         self._info: dict | None = None  # max_model_len, dimensions: asked once
 
     async def info(self) -> dict | None:
-        """The embedding model's card fields (None without a pool)."""
+        """The embedding model's card fields (None without a pool); a pool that does not
+        answer within INFO_CALL_S (none of its workers up yet) is a 503."""
         if self.handle is not None and self._info is None:
-            self._info = await self.handle.model_info.remote()
+            try:
+                self._info = await wait_for(self.handle.model_info.remote(), INFO_CALL_S)
+            except Exception as e:  # noqa: BLE001 (starting, or gone: ask again next time)
+                raise APIError(
+                    503, f"the embedding pool did not answer: {type(e).__name__}", type="service_unavailable"
+                ) from None
         return self._info
+
+    async def alive(self, timeout: float) -> bool:
+        """Whether a worker of the pool answers within `timeout` (/health)."""
+        try:
+            await wait_for(self.handle.check_health.remote(), timeout)
+            return True
+        except Exception:  # noqa: BLE001 (none up, or it failed its check)
+            return False
 
     async def answer(self, body: dict) -> dict:
         check_body(body)

@@ -49,10 +49,10 @@ class Generation:
         # never stalls the streams this replica serves
         self.ingest_thread = ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="kvray-ingest")
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.ingest_thread.shutdown(wait=False)
-        if self.tracing is not None:
-            self.tracing.shutdown()
+        if self.tracing is not None:  # (its flush may wait on the collector: off the loop)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the ingest threads (templating, tokenizing, compiling grammars).
@@ -119,9 +119,10 @@ class Generation:
                     return
                 finishing = time.time_ns()
                 usage = Usage(prompt_tokens, sum(len(c.token_ids) for c in outs.values()))
-                if req.include_usage:
-                    yield builder.usage_chunk(usage)
+                chunk = builder.usage_chunk(usage) if req.include_usage else None
                 _finished(trace, finishing, usage, [c.finish_reason for c in outs.values()])
+                if chunk is not None:
+                    yield chunk
         except BaseException as e:
             _end(trace, e)
             raise

@@ -101,6 +101,7 @@ def test_bad_embeddings_requests_are_openai_errors_naming_the_field(colo_client)
     assert error(input=[[1, 2, 10**6]])[:2] == (400, "input[0]")
     assert error(input=[])[:2] == (400, "input")
     assert error(input=[""])[:2] == (400, "input")
+    assert error(input=["fine", ""])[:2] == (400, "input")
     assert error(encoding_format="int8")[:2] == (400, "encoding_format")
     status, param, message = error(dimensions=128)
     assert (status, param) == (400, "dimensions") and "384" in message
@@ -111,9 +112,10 @@ def test_bad_embeddings_requests_are_openai_errors_naming_the_field(colo_client)
     assert colo_client.embeddings.create(model=EMBEDDING_MODEL, input="still serving").data  # nothing broke
 
 
-def test_an_app_without_an_embedding_pool_answers_404(client):
+def test_an_app_without_an_embedding_pool_answers_404(client, server):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model=EMBEDDING_MODEL, input="hi")
+    assert "embedding" not in httpx.get(f"{server}/health").json()
 
 
 def test_models_list_the_embedding_model_and_the_handle_embeds(colo_client, colo_server):
@@ -125,6 +127,8 @@ def test_models_list_the_embedding_model_and_the_handle_embeds(colo_client, colo
     body = serve.get_app_handle("colo").embeddings.remote({"model": EMBEDDING_MODEL, "input": ["a", "b"]})
     answer = body.result(timeout_s=120)
     assert [d["index"] for d in answer["data"]] == [0, 1] and answer["usage"]["prompt_tokens"] == 6
+    health = httpx.get(f"{colo_server}/health").json()
+    assert health["status"] == "ok" and health["embedding"] is True  # the pool is part of /health
     doc = httpx.get(f"{colo_server}/openapi.json").json()
     schema = doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert schema["$ref"].endswith("/EmbeddingsRequest")

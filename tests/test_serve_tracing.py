@@ -13,7 +13,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx2")
 pytest.importorskip("ray")
-from serve_fixtures import API_KEY, MODEL  # noqa: E402
+from serve_fixtures import API_KEY, MODEL, workers_of  # noqa: E402
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 WORKER_SPANS = {"queue", "prefill", "kv_pull", "decode"}
@@ -82,14 +82,24 @@ def test_without_a_traceparent_a_request_starts_its_own_trace_and_errors_are_mar
     (root,) = root_of(rid)
     assert root.parent_span_id == ""  # a trace of its own
     otlp.wait_for(lambda _: WORKER_SPANS <= {s.name for s in otlp.trace(root.trace_id)})
-    # a bad request: its root (only ingress work ran) ends as an error
+    # a bad request: its root (only ingress work ran) says so, but is no server error
     trace_id = secrets.token_hex(16)
     bad = {**body, "temperature": -1}
     headers = {**HEADERS, "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
     assert httpx.post(f"{server}/v1/completions", json=bad, headers=headers, timeout=60).status_code == 400
     otlp.wait_for(lambda _: otlp.trace(trace_id))
-    (failed,) = otlp.trace(trace_id)
-    assert failed.name == "llm_request" and failed.status_code == 2
+    (refused,) = otlp.trace(trace_id)
+    assert refused.name == "llm_request" and refused.attributes["http.response.status_code"] == 400
+    assert refused.status_code != 2
+    # a parent sent unsampled: served, untraced (it once failed every such request with a 500)
+    unsampled = secrets.token_hex(16)
+    headers = {**HEADERS, "traceparent": f"00-{unsampled}-{secrets.token_hex(8)}-00"}
+    assert httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=120).status_code == 200
+    after = secrets.token_hex(16)
+    headers = {**HEADERS, "traceparent": f"00-{after}-{secrets.token_hex(8)}-01"}
+    assert httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=120).status_code == 200
+    otlp.wait_for(lambda _: {"llm_request", *WORKER_SPANS} <= {s.name for s in otlp.trace(after)})
+    assert not otlp.trace(unsampled)  # (nor did its workers record theirs)
 
 
 def test_an_app_without_an_endpoint_sends_no_spans(colo_server, server, otlp):
@@ -107,3 +117,9 @@ def test_an_app_without_an_endpoint_sends_no_spans(colo_server, server, otlp):
     otlp.wait_for(lambda _: {"llm_request", *WORKER_SPANS} <= {s.name for s in otlp.trace(pd_trace)})
     assert not otlp.trace(trace_id)
     assert not [s for s in otlp.spans if s.attributes.get("gen_ai.request.id") == rid]
+    # ... and its worker has no tracer at all
+    import ray
+
+    name, namespace = workers_of("colo")["mixed"]
+    worker = ray.get_actor(name, namespace=namespace)
+    assert ray.get(worker.__ray_call__.remote(lambda w: w.tracing), timeout=60) is None

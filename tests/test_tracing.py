@@ -75,15 +75,46 @@ def test_root_children_and_engine_spans_in_one_trace(receiver):
     assert {s.resource["kvray.component"] for s in spans} == {"ingress", "mixed"}
 
 
-def test_a_failure_marks_the_root_and_a_client_that_left_does_not(receiver):
+def test_a_failure_marks_the_root_and_a_client_that_left_or_erred_does_not(receiver):
+    from kvray.router.api_error import APIError
+
     tracing = Tracing(receiver.endpoint, "ingress")
-    failed, left = tracing.request(), tracing.request()
+    failed, left, bad, overloaded = (tracing.request() for _ in range(4))
     failed.end(ValueError("boom"))
     failed.end()  # once only
     left.end(asyncio.CancelledError())
+    bad.end(APIError(400, "temperature: must be >= 0"))
+    overloaded.end(APIError(503, "busy"))
     tracing.shutdown()
     spans = {s.span_id: s for s in receiver.spans}
-    assert len(spans) == 2
-    assert spans[failed.span.get_span_context().span_id.to_bytes(8, "big").hex()].status_code == 2
-    gone = spans[left.span.get_span_context().span_id.to_bytes(8, "big").hex()]
-    assert gone.status_code != 2 and gone.attributes["kvray.client_left"] is True
+    assert len(spans) == 4
+
+    def received(trace):
+        return spans[trace.span.get_span_context().span_id.to_bytes(8, "big").hex()]
+
+    assert received(failed).status_code == 2
+    assert received(left).status_code != 2 and received(left).attributes["kvray.client_left"] is True
+    assert received(bad).status_code != 2 and received(bad).attributes["http.response.status_code"] == 400
+    assert received(overloaded).status_code == 2
+    assert received(overloaded).attributes["http.response.status_code"] == 503
+
+
+def test_an_unsampled_parent_leaves_the_request_untraced(receiver):
+    tracing = Tracing(receiver.endpoint, "ingress")
+    assert tracing.request({"traceparent": f"00-{TRACE}-{PARENT}-00"}) is None  # sampled flag off
+    assert tracing.request({"traceparent": f"00-{TRACE}-{PARENT}-01"}) is not None
+    tracing.shutdown()
+
+
+def test_tracing_off_loads_no_exporter():
+    """The serving modules load without kvray's tracer: no OTLP exporter is imported (Ray
+    itself loads parts of OpenTelemetry for its own metrics)."""
+    code = (
+        "import sys; import kvray.router.app, kvray.actors.launch, kvray.router.generation; "
+        "print([m for m in sys.modules if m.startswith('opentelemetry.exporter.otlp')])"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
