@@ -3,8 +3,9 @@ encoder (models/bert.py), then the folder's own pooling (`1_Pooling/config.json`
 of the tokens' hidden states, or the [CLS] token's) and, where `modules.json` lists it,
 normalizing to unit length. Texts are tokenized with the folder's tokenizer, [CLS] and
 [SEP] included, and at most its `max_seq_length` tokens (`sentence_bert_config.json`); a
-longer input is an error naming it, not cut. Batches are sorted by length and packed to
-`max_batch_tokens` padded tokens, so short texts do not pay for long ones' padding.
+longer input is an error naming it, not cut. Inputs are sorted by length and cut into
+forward passes with the fewest padded tokens (`padded_batches`), so short texts do not pay
+for long ones' padding.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvray.models.loader import load_config, load_tokenizer
 
 MAX_BATCH_TOKENS = 8192  # padded tokens one forward pass takes
 MAX_BATCH = 32  # ... and inputs
+PASS_TOKENS = 32  # a forward pass's fixed cost, in padded tokens (how batches are cut)
 
 
 @dataclass
@@ -108,18 +110,10 @@ class Embedder:
         """[N, dimensions] fp32 embeddings of the inputs, in order."""
         order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
         out = torch.empty(len(token_ids), self.dimensions)
-        start = 0
-        while start < len(order):
-            end = start + 1  # the longest of the batch is its last: it sets the padding
-            while (
-                end < len(order)
-                and end - start < MAX_BATCH
-                and (end + 1 - start) * len(token_ids[order[end]]) <= self.max_batch_tokens
-            ):
-                end += 1
+        lengths = [len(token_ids[i]) for i in order]
+        for start, end in padded_batches(lengths, MAX_BATCH, self.max_batch_tokens):
             batch = [token_ids[i] for i in order[start:end]]
             out[order[start:end]] = self._forward(batch)
-            start = end
         return out
 
     def _forward(self, batch: list[list[int]]) -> torch.Tensor:
@@ -134,6 +128,33 @@ class Embedder:
             pooled = (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdim=True)
         pooled = torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
         return pooled.cpu()
+
+
+def padded_batches(
+    lengths: list[int], max_batch: int, max_tokens: int, pass_tokens: int = PASS_TOKENS
+) -> list[tuple[int, int]]:
+    """The forward passes for inputs of these ascending `lengths`: runs [start, end) that
+    cover them in order, each of at most `max_batch` inputs and `max_tokens` padded tokens
+    (one input alone may exceed it), with the fewest padded tokens counting `pass_tokens`
+    for each pass (its fixed cost). A pass pads to its longest input, its last; so a burst of
+    a few short and a few long texts runs as two passes, not one padded to the longest."""
+    n = len(lengths)
+    best = [0] + [None] * n  # best[end]: the least cost of covering lengths[:end]
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        width = lengths[end - 1]
+        for start in range(max(0, end - max_batch), end):
+            size = end - start
+            if size > 1 and size * width > max_tokens:
+                continue
+            cost = best[start] + size * width + pass_tokens
+            if best[end] is None or cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], n
+    while end > 0:
+        runs.append((cut[end], end))
+        end = cut[end]
+    return runs[::-1]
 
 
 def _pooling(path: Path) -> tuple[str, bool]:

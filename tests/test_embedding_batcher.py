@@ -104,3 +104,17 @@ def test_the_real_model_batched_equals_it_alone():
     together = asyncio.run(run())
     alone = torch.cat([embedder.embed([i]) for i in ids])
     assert together.shape == (3, 384) and torch.allclose(together, alone, atol=1e-5)
+
+
+def test_passes_are_cut_where_padding_costs_more_than_a_pass():
+    from kvray.engine.embedder import padded_batches
+
+    # three short and two long inputs: one pass would pad 5 x 100 = 500 (+10); two cost
+    # 3 x 1 + 10 + 2 x 100 + 10 = 223
+    assert padded_batches([1, 1, 1, 100, 100], 32, 8192, 10) == [(0, 3), (3, 5)]
+    # close lengths stay together: splitting saves 2 padded tokens, a pass costs 10
+    assert padded_batches([9, 10, 10, 10], 32, 8192, 10) == [(0, 4)]
+    # the bounds: at most 2 inputs a pass; at most 250 padded tokens (one input alone may pass it)
+    assert padded_batches([5, 5, 5, 5], 2, 8192, 10) == [(0, 2), (2, 4)]
+    assert padded_batches([100, 100, 300], 32, 250, 10) == [(0, 2), (2, 3)]
+    assert padded_batches([], 32, 8192) == []
