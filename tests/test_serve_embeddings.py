@@ -122,10 +122,19 @@ def test_models_list_the_embedding_model_and_the_handle_embeds(colo_client, colo
     cards = {m.id: m for m in colo_client.models.list().data}
     assert set(cards) == {MODEL, EMBEDDING_MODEL}
     assert cards[EMBEDDING_MODEL].model_extra["max_model_len"] == 256
-    from ray import serve
+    import ray
 
-    body = serve.get_app_handle("colo").embeddings.remote({"model": EMBEDDING_MODEL, "input": ["a", "b"]})
-    answer = body.result(timeout_s=120)
+    # the handle in a task of its own, not in this driver: the README's handle example
+    # (tests/test_serve_openai.py) later makes the driver's first Serve handle, and one made
+    # here first left that one waiting forever on Serve's router thread (a CI run hung)
+    @ray.remote(num_cpus=0)
+    def through_a_handle(body: dict) -> dict:  # (local: pickled by value for the task)
+        from ray import serve
+
+        return serve.get_app_handle("colo").embeddings.remote(body).result(timeout_s=120)
+
+    body = {"model": EMBEDDING_MODEL, "input": ["a", "b"]}
+    answer = ray.get(through_a_handle.remote(body), timeout=180)
     assert [d["index"] for d in answer["data"]] == [0, 1] and answer["usage"]["prompt_tokens"] == 6
     health = httpx.get(f"{colo_server}/health").json()
     assert health["status"] == "ok" and health["embedding"] is True  # the pool is part of /health
