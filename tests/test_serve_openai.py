@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -311,7 +312,13 @@ def test_readme_handle_example_runs(server):
     blocks = re.findall(r"```python\n(# handle example\n.*?)```", readme, flags=re.S)
     assert len(blocks) == 1
     namespace: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    # on a thread with a deadline: a Serve handle in a test driver has once waited forever
+    # (on Serve's router loop thread), and a hang should fail here, not hold CI for its limit
+    code = compile(blocks[0], "README.md", "exec")
+    runner = threading.Thread(target=exec, args=(code, namespace), daemon=True)
+    runner.start()
+    runner.join(timeout=300)
+    assert not runner.is_alive(), "the README's handle example did not finish in 300 s"
     body = namespace["response"]
     assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] > 0
     assert "".join(namespace["pieces"]) == body["choices"][0]["text"]
