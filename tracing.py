@@ -7,9 +7,9 @@ and records `ingress` (validate, template, tokenize), one `route` per worker cho
 `finish` under it. The root's W3C context travels with the request to its workers (the
 `trace` field of `EngineRequest`: a `traceparent` string through Ray), which record their
 parts as spans under the same root when the request leaves them: `queue`, `prefill`,
-`kv_pull` and `decode`. Spans are recorded whole, with the times their process measured
-(an engine's monotonic clock mapped to the wall clock), so nothing is held open across
-calls and no step waits on tracing.
+`kv_pull` and `decode` (an embeddings request: the embedding worker's `embed`). Spans are
+recorded whole, with the times their process measured (an engine's monotonic clock mapped
+to the wall clock), so nothing is held open across calls and no step waits on tracing.
 
 Tracing is on where the serve config's `otlp_traces_endpoint` is set, or where the process
 sees OpenTelemetry's `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`; `OTEL_SERVICE_NAME`,

@@ -165,7 +165,7 @@ class OpenAIIngress:
             lambda body, headers=None: self.generation.stream(body, True, headers),
         )
         embedding_model = self.config.embedding.engine["model"] if self.config.embedding else None
-        self.embedding_route = EmbeddingsRoute(embedding, embedding_model, self.admission)
+        self.embedding_route = EmbeddingsRoute(embedding, embedding_model, self.admission, tracing)
         self.http = None  # direct ingress: this replica's own HTTP server
         if self.config.direct_ingress:
             self.http = DirectHTTP(app, self.config.http_host, self.config.http_port)
@@ -204,7 +204,7 @@ class OpenAIIngress:
     async def embeddings_create(self, request: Request):
         check_auth(request, self.config.api_key)
         body = await read_json(request, self.config.max_body_bytes)
-        answer = await unless_disconnected(request, self.embedding_route.answer(body))
+        answer = await unless_disconnected(request, self.embedding_route.answer(body, request.headers))
         return Response(status_code=499) if answer is None else JSONResponse(answer)
 
     @app.get("/v1/models")

@@ -13,12 +13,14 @@ replica: no placement group, no separate actor.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 from ray import serve
 
 from kvray.configs import ServeConfig
 from kvray.errors import InvalidArgumentError
+from kvray.tracing import PROMPT_TOKENS, Tracing, traces_endpoint
 
 MAX_ONGOING = 256  # embed calls a replica takes at once (they queue in its batcher)
 HEALTH_CHECK_S = 2.0
@@ -33,7 +35,10 @@ class EmbeddingReplica:
         from kvray.engine.embedder import build_embedder
         from kvray.engine.embedding_batcher import EmbeddingBatcher
 
-        pool = ServeConfig(**config).embedding
+        cfg = ServeConfig(**config)
+        pool = cfg.embedding
+        endpoint = traces_endpoint(cfg.otlp_traces_endpoint)
+        self.tracing = Tracing(endpoint, "embedding") if endpoint else None
         if pool.torch_threads is not None:
             torch.set_num_threads(pool.torch_threads)
         engine = EngineConfig(**pool.engine)
@@ -46,14 +51,22 @@ class EmbeddingReplica:
             )
         self.batcher = EmbeddingBatcher(embedder)
 
-    async def embed(self, inputs: list[str | list[int]]) -> tuple[np.ndarray, list[int]]:
+    async def embed(
+        self, inputs: list[str | list[int]], trace: dict[str, str] | None = None
+    ) -> tuple[np.ndarray, list[int]]:
         """[len(inputs), dimensions] fp32 embeddings and each input's token count. A bad
         input (too long, token ids out of the vocabulary) is an InvalidArgumentError naming
-        `input[i]`."""
+        `input[i]`. `trace`: the request's trace context (an `embed` span from the call's
+        arrival to its vectors)."""
+        arrived = time.time_ns()
         embedder = self.batcher.embedder
         token_ids = await asyncio.to_thread(embedder.token_ids, inputs, "input")
         vectors = await self.batcher.embed(token_ids)
-        return vectors.numpy(), [len(ids) for ids in token_ids]
+        counts = [len(ids) for ids in token_ids]
+        if self.tracing is not None and trace is not None:
+            attributes = {"kvray.role": "embedding", "kvray.inputs": len(counts), PROMPT_TOKENS: sum(counts)}
+            self.tracing.record("embed", trace, arrived, time.time_ns(), attributes)
+        return vectors.numpy(), counts
 
     def model_info(self) -> dict:
         return {
@@ -72,6 +85,8 @@ class EmbeddingReplica:
         batcher = getattr(self, "batcher", None)
         if batcher is not None:
             batcher.close()
+        if getattr(self, "tracing", None) is not None:
+            self.tracing.shutdown()  # export what is buffered
 
 
 def embedding_deployment(cfg: ServeConfig) -> serve.Application:

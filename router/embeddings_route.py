@@ -2,23 +2,27 @@
 (router/embedding_pool.py): the body validated here, the inputs tokenized and embedded by
 an embedding worker, the vectors returned as floats or as base64 of little-endian float32
 (OpenAI's `encoding_format`). An app without an `embedding:` pool answers 404 naming the
-model, as for any model it does not serve."""
+model, as for any model it does not serve. Traced (kvray/tracing.py), a request is a root
+span here and the worker's `embed` span."""
 
 from __future__ import annotations
 
 import base64
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvray import tracing as attr
 from kvray.errors import InvalidArgumentError, KvrayError
 from kvray.router.api_error import APIError, internal_error
 from kvray.router.ingress_parts import Admission, cause
 from kvray.router.request_body import check_body, validate_body
 from kvray.timeouts import wait_for
+from kvray.tracing import RequestTrace, Tracing
 
 logger = logging.getLogger(__name__)
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -57,10 +61,11 @@ class EmbeddingsRoute:
     """`handle`: the embedding pool's deployment handle (None: the app has no pool);
     `model_name`: the model clients name for it."""
 
-    def __init__(self, handle, model_name: str | None, admission: Admission):
+    def __init__(self, handle, model_name: str | None, admission: Admission, tracing: Tracing | None = None):
         self.handle = handle
         self.model_name = model_name
         self.admission = admission
+        self.tracing = tracing  # None: untraced
         self._info: dict | None = None  # max_model_len, dimensions: asked once
 
     async def info(self) -> dict | None:
@@ -83,7 +88,22 @@ class EmbeddingsRoute:
         except Exception:  # noqa: BLE001 (none up, or it failed its check)
             return False
 
-    async def answer(self, body: dict) -> dict:
+    async def answer(self, body: dict, headers: Mapping[str, str] | None = None) -> dict:
+        """The response body. Traced: a root span (its parent the `traceparent` in
+        `headers`) and the worker's `embed` span under it."""
+        trace = self.tracing.request(headers) if self.tracing is not None else None
+        try:
+            answer = await self._answer(body, trace)
+        except BaseException as e:
+            if trace is not None:
+                trace.end(e)
+            raise
+        if trace is not None:
+            trace.set({attr.PROMPT_TOKENS: answer["usage"]["prompt_tokens"]})
+            trace.end()
+        return answer
+
+    async def _answer(self, body: dict, trace: RequestTrace | None) -> dict:
         check_body(body)
         req = validate_body(EmbeddingsRequest, body)
         if self.handle is None or req.model != self.model_name:
@@ -93,14 +113,17 @@ class EmbeddingsRoute:
             raise APIError.invalid(
                 InvalidArgumentError("dimensions", req.dimensions, f"{dimensions} (the model's)")
             )
+        request_id = f"embd-{uuid.uuid4().hex[:12]}"
+        if trace is not None:
+            trace.set({attr.REQUEST_ID: request_id, attr.RESPONSE_MODEL: self.model_name})
         with self.admission.admitted(1):
             try:
-                vectors, counts = await self.handle.embed.remote(req.inputs())
+                carrier = trace.carrier if trace is not None else None
+                vectors, counts = await self.handle.embed.remote(req.inputs(), carrier)
             except Exception as e:  # noqa: BLE001 (the replica's error, out of Ray's wrapping)
                 error = cause(e)
                 if isinstance(error, InvalidArgumentError):
                     raise APIError.invalid(error) from None
-                request_id = f"embd-{uuid.uuid4().hex[:12]}"
                 logger.error("kvray ingress: embeddings %s failed", request_id, exc_info=error)
                 if isinstance(error, KvrayError):
                     raise APIError(503, str(error), type="service_unavailable") from None

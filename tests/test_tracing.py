@@ -118,3 +118,49 @@ def test_tracing_off_loads_no_exporter():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_an_embeddings_request_is_a_root_and_the_workers_embed_span(receiver):
+    """The route and the pool's replica class, joined by a stand-in for Serve's handle
+    (each `.remote(...)` awaits the replica's method), both exporting to the receiver."""
+    from kvray.router.embedding_pool import EmbeddingReplica
+    from kvray.router.embeddings_route import EmbeddingsRoute
+    from kvray.router.ingress_parts import Admission
+
+    config = {
+        "embedding": {"engine": {"model": "all-minilm-l6-v2"}},
+        "otlp_traces_endpoint": receiver.endpoint,
+    }
+    replica = EmbeddingReplica.func_or_class(config)
+
+    class Method:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *args):
+            return self.fn(*args)
+
+    async def model_info():
+        return replica.model_info()
+
+    handle = type("Handle", (), {"embed": Method(replica.embed), "model_info": Method(model_info)})()
+    route = EmbeddingsRoute(
+        handle, "all-minilm-l6-v2", Admission(8, 1), Tracing(receiver.endpoint, "ingress")
+    )
+    body = {"model": "all-minilm-l6-v2", "input": ["a river", "of stone"]}
+    answer = asyncio.run(route.answer(body, {"traceparent": f"00-{TRACE}-{PARENT}-01"}))
+    route.tracing.shutdown()
+    replica.tracing.shutdown()
+    replica.batcher.close()
+    spans = {s.name: s for s in receiver.trace(TRACE)}
+    assert set(spans) == {"llm_request", "embed"}
+    root, embed = spans["llm_request"], spans["embed"]
+    assert root.parent_span_id == PARENT and embed.parent_span_id == root.span_id
+    tokens = answer["usage"]["prompt_tokens"]
+    assert (
+        root.attributes["gen_ai.usage.prompt_tokens"]
+        == embed.attributes["gen_ai.usage.prompt_tokens"]
+        == tokens
+    )
+    assert root.attributes["gen_ai.request.id"].startswith("embd-") and embed.attributes["kvray.inputs"] == 2
+    assert embed.resource["kvray.component"] == "embedding"
