@@ -52,10 +52,10 @@ def clock_offset_ns() -> int:
     return time.time_ns() - time.monotonic_ns()
 
 
-def wall_ns(monotonic_s: float, offset_ns: int | None = None) -> int:
+def wall_ns(monotonic_s: float, offset_ns: int) -> int:
     """A time.monotonic() reading of this process as wall-clock nanoseconds (`offset_ns`:
     one clock_offset_ns() for several readings, so their differences stay exact)."""
-    return (clock_offset_ns() if offset_ns is None else offset_ns) + round(monotonic_s * 1e9)
+    return offset_ns + round(monotonic_s * 1e9)
 
 
 class Tracing:

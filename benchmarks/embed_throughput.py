@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
-from serve_harness import Server, cpu_banner
+from serve_harness import Server, cpu_banner, preset_file
 
 WORDS = "river stone light quiet market paper seven garden winter answer bridge silver music".split()
 
@@ -51,16 +49,12 @@ def served(inputs: list[str], threads: int, clients: int) -> float:
     import json
     import urllib.request
 
-    import yaml
+    def widen(config: dict) -> None:
+        config["embedding"]["torch_threads"] = threads
+        config["max_queued_requests"] = max(64, clients)
 
-    from kvray.router.ingress_parts import load_config
-
-    config = load_config("smollm2-cpu").model_dump(exclude_defaults=True)
-    config["embedding"]["torch_threads"] = threads
-    config["max_queued_requests"] = max(64, clients)
-    path = Path(tempfile.mkdtemp(prefix="kvray-embed-bench-")) / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with Server(str(path), log="/tmp/kvray-embed-bench.log") as server:
+    path = preset_file("smollm2-cpu", widen, "embed")
+    with Server(path, log="/tmp/kvray-embed-bench.log") as server:
 
         def one(text: str) -> None:
             body = json.dumps({"model": "all-minilm-l6-v2", "input": text}).encode()

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import serve as bench  # benchmarks/serve.py: kvray bench serve
@@ -113,3 +114,17 @@ def run_load(base_url: str, model: str, bench_args: list[str]) -> dict:
     """One `kvray bench serve` run against `base_url`; its result dict."""
     args = bench.build_parser().parse_args(["--base-url", base_url, "--model", model, *bench_args])
     return asyncio.run(bench.run_benchmark(args))
+
+
+def preset_file(preset: str, edit: Callable[[dict], None], name: str) -> str:
+    """`preset`'s fields as set there, changed in place by `edit`, written to
+    /tmp/kvray-bench-<name>.yaml for `kvray serve --config`; returns the path."""
+    import yaml
+
+    from kvray.router.ingress_parts import load_config
+
+    config = load_config(preset).model_dump(exclude_unset=True)
+    edit(config)
+    path = Path(f"/tmp/kvray-bench-{name}.yaml")
+    path.write_text(yaml.safe_dump(config))
+    return str(path)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from serve_datasets import DatasetArgs, WordVocab, sample_requests
-from serve_harness import Server, cpu_banner, run_load
+from serve_harness import Server, cpu_banner, preset_file, run_load
 
 MODEL = "smollm2-135m-instruct"
 
@@ -47,17 +47,15 @@ MODEL = "smollm2-135m-instruct"
 def with_model(preset: str, model: str) -> str:
     """`preset` serving `model` instead of its own: a YAML file beside the logs (`preset`
     itself when it already serves `model`)."""
-    import yaml
-
     from kvray.router.app import load_config
 
-    config = load_config(preset).model_dump(exclude_unset=True)
-    if config.get("engine", {}).get("model") == model:
+    if load_config(preset).engine.get("model") == model:
         return preset
-    config.setdefault("engine", {})["model"] = config["model_name"] = model
-    path = Path(f"/tmp/kvray-bench-{Path(preset).stem}-{model}.yaml")
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+
+    def serve_model(config: dict) -> None:
+        config.setdefault("engine", {})["model"] = config["model_name"] = model
+
+    return preset_file(preset, serve_model, f"{Path(preset).stem}-{model}")
 
 
 def offline(model: str, requests, warm_up, threads: int, max_num_seqs: int | None = None) -> float:

@@ -15,32 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
-import yaml
 from otlp_receiver import OTLPReceiver
-from serve_harness import Server, cpu_banner, run_load
+from serve_harness import Server, cpu_banner, preset_file
+from served_vs_offline import served
 
 from kvray.router.ingress_parts import load_config
-
-
-def config_file(preset: str, endpoint: str | None) -> str:
-    config = load_config(preset).model_dump(exclude_defaults=True)
-    if endpoint is not None:
-        config["otlp_traces_endpoint"] = endpoint
-    path = Path(tempfile.mkdtemp(prefix="kvray-trace-bench-")) / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
-def load_args(args, seed: int, num_prompts: int) -> list[str]:
-    return [
-        "--dataset-name", "mix", "--num-prompts", str(num_prompts), "--seed", str(seed),
-        "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--disable-tqdm",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-    ]  # fmt: skip
 
 
 def span_cost(endpoint: str, requests: int = 200) -> tuple[float, float]:
@@ -96,10 +77,14 @@ def main() -> None:
     for n in range(args.rounds):
         seed = args.seed + 2 * n
         for name, endpoint, src in rows:
-            config = config_file(args.preset, endpoint)
+
+            def trace_to(config: dict, endpoint=endpoint) -> None:
+                if endpoint is not None:  # (a baseline tree may not know the field)
+                    config["otlp_traces_endpoint"] = endpoint
+
+            config = preset_file(args.preset, trace_to, f"trace-{args.preset}-{n}")
             with Server(config, src, log=f"/tmp/kvray-trace-bench-{n}.log") as server:
-                run_load(server.url, model, load_args(args, seed + 1, args.max_concurrency))  # warm-up
-                results[name].append(run_load(server.url, model, load_args(args, seed, args.num_prompts)))
+                results[name].append(served(server.url, model, args, seed))  # (its warm-up first)
             r = results[name][-1]
             print(f"round {n + 1}: {name}: {r['output_throughput']:.1f} tok/s", flush=True)
     receiver.close()

@@ -157,11 +157,9 @@ class Generation:
         """One engine request's cumulative CompletionOutput after every delta; leaving
         early aborts it everywhere."""
         gen = self.frontend.generate(rid, prompt_token_ids, params, timeout_s, priority, trace)
-        first = True
         try:
             async for out in gen:
-                if first and trace is not None and out.token_ids:
-                    first = False
+                if trace is not None and not trace.first_token_seen and out.token_ids:
                     trace.first_token()
                 yield out
         except ray.exceptions.RayTaskError as e:
