@@ -4,7 +4,7 @@ this worker's connector, and continue the request in the continuous batch. A fai
 or a pin that would lapse before blocks free up, recomputes the prompt here (counted in
 `kv_recomputes`).
 
-This is the pulling half of a KV hand-off (actors/kv_pull.py, actors/connectors.py).
+This is the pulling half of a KV hand-off (actors/kv_pull.py, actors/kv_transport.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvray.actors.connectors import connector_class
 from kvray.actors.kv_pull import KVPuller
+from kvray.actors.kv_transport import connector_class
 from kvray.actors.messages import EngineRequest, PrefillResult
 from kvray.actors.worker import EngineWorker, Role
 
@@ -26,8 +26,7 @@ class DecodeWorker(EngineWorker):
         backend = "nccl" if self.llm.device.type == "cuda" else "gloo"
         connector_type = connector_class(self.kv_config.connector)
         connector = connector_type(self.worker_id, self.kv_config, self.host, backend)
-        self.puller = KVPuller(connector, self.kv_config, self.llm.kv_layout, self.shards)
-        self.pull_tasks: set[asyncio.Task] = set()  # held: a task nobody references may be collected
+        self.puller = KVPuller(connector, self.llm.kv_layout, self.shards)
 
     async def decode(self, req: EngineRequest, handoff: PrefillResult, prefill=None) -> None:
         """Continue a prefilled request here. Returns once it is accepted: its first
@@ -36,9 +35,9 @@ class DecodeWorker(EngineWorker):
         outbox = self._admit(req, prefilled=True)
         rid = req.request_id
         ticket = handoff.ticket
-        pin_end = None  # (None: no pin to wait on, recompute when there is no room now)
+        pin_deadline = None  # (None: no pin to wait on, recompute when there is no room now)
         if ticket is not None and prefill is not None:
-            pin_end = self.lease.pin_end(ticket.lease_deadline, time.time())
+            pin_deadline = ticket.lease_deadline  # (the engine applies the lease policy to it)
         try:
             _, room = await self.llm.add_prefilled_request(
                 rid,
@@ -47,15 +46,13 @@ class DecodeWorker(EngineWorker):
                 handoff.first_token,
                 handoff.first_logprobs,
                 sink=outbox,
-                pull_deadline=pin_end,
+                pull_deadline=pin_deadline,
                 priority=req.priority,
             )
         except BaseException:
             outbox.unregister(rid)
             raise
-        task = asyncio.ensure_future(self._pull(handoff, prefill, rid, room, req.trace))
-        self.pull_tasks.add(task)
-        task.add_done_callback(self.pull_tasks.discard)
+        self._start(self._pull(handoff, prefill, rid, room, req.trace))
 
     async def _pull(
         self, handoff: PrefillResult, prefill, rid: str, room: asyncio.Future, trace: dict | None = None

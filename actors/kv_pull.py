@@ -13,10 +13,9 @@ import bisect
 import logging
 import time
 
-from kvray.actors.connectors import KVConnector, KVPullError
+from kvray.actors.kv_transport import KVConnector, KVPullError
 from kvray.actors.messages import TRANSFER_BUCKETS
 from kvray.actors.shard_group import pull_pieces
-from kvray.configs import KVTransferConfig
 from kvray.engine.kv_transfer import KVLayout, KVTicket, plan_kv_pull
 from kvray.engine.kv_views import BlockView
 
@@ -24,9 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class KVPuller:
-    def __init__(self, connector: KVConnector, config: KVTransferConfig, layout: KVLayout, shards: list):
+    def __init__(self, connector: KVConnector, layout: KVLayout, shards: list):
         self.connector = connector
-        self.config = config
         self.layout = layout  # this worker's cache layout
         self.shards = shards  # this worker's ranks 1.. (each pulls its own pieces)
         self.peer_shards: dict[str, list] = {}  # prefill worker id -> its shard handles
@@ -67,7 +65,7 @@ class KVPuller:
         from the prefill shard that holds them (heads re-sharded when tp differs). The
         hold lasts two pull timeouts: every piece starts within the first, so it ends
         (done or timed out) inside the hold."""
-        start_by = time.time() + self.config.pull_timeout_seconds
+        start_by = time.time() + self.connector.lease.pull_timeout_s
         src_blocks = await prefill.hold_kv.remote(ticket.request_id)
         if src_blocks is None:
             raise KVPullError(f"lease of {ticket.request_id} ended before the pull")

@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from kvray.actors.connectors import KVConnector, KVPullError, KVSource, PeerLinks, check_start
+from kvray.actors.kv_transport import KVConnector, KVPullError, KVSource, PeerLinks, check_start
 from kvray.engine.kv_transfer import layer_chunks
 from kvray.timeouts import wait_for
 
@@ -162,10 +162,10 @@ class SocketConnector(KVConnector):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.links = PeerLinks(self._connect, self.config.pull_timeout_seconds)
+        self.links = PeerLinks(self._connect, self.lease.pull_timeout_s)
 
     async def _connect(self, peer_id: str, peer) -> socket.socket:
-        timeout = self.config.pull_timeout_seconds
+        timeout = self.lease.pull_timeout_s
         host, port = await wait_for(peer.kv_socket_address.remote(), timeout)
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -180,7 +180,7 @@ class SocketConnector(KVConnector):
     async def _exchange(self, peer_id: str, peer, request: dict, receive) -> int:
         """Send `request` on the peer's connection and run `receive(sock, count)`; any
         failure or cancel mid-way closes the connection (the stream is out of step)."""
-        timeout = self.config.pull_timeout_seconds
+        timeout = self.lease.pull_timeout_s
         async with self.links.lock(peer_id):
             sock = await self.links.get(peer_id, peer)
             try:

@@ -13,8 +13,7 @@ import time
 
 import torch
 
-from kvray.actors.connectors import KVSource
-from kvray.actors.kv_socket import socket_address
+from kvray.actors.kv_transport import KVServing, KVSource
 from kvray.actors.messages import TRANSFER_BUCKETS, EngineRequest, PrefillResult
 from kvray.actors.request_spans import record_engine_spans
 from kvray.actors.signals import RecentMean
@@ -24,14 +23,13 @@ from kvray.engine.outputs import TokenLogprobs
 from kvray.errors import RequestFailedError
 
 
-class PrefillWorker(EngineWorker):
+class PrefillWorker(KVServing, EngineWorker):
     role: Role = "prefill"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         llm = self.llm
         self.source = KVSource(llm.kv_views, llm.kv_layout)
-        self.holds: dict[str, asyncio.TimerHandle] = {}  # pins held for sharded pulls
         self.ttft = RecentMean()  # seconds from arrival here to the first token
 
     async def prefill(self, req: EngineRequest) -> PrefillResult:
@@ -41,7 +39,7 @@ class PrefillWorker(EngineWorker):
         rid = req.request_id
         prompt = {"prompt_token_ids": req.prompt_token_ids}
         stream = await self.llm.add_request(
-            rid, prompt, prefill_params(req.params), req.priority, kv_lease=self.lease.lease_s
+            rid, prompt, prefill_params(req.params), req.priority, pin_kv=True
         )
         final = None
         handed_off = False
@@ -60,7 +58,7 @@ class PrefillWorker(EngineWorker):
         finally:
             if not handed_off:  # cancelled (the client left): stop it and let any pin go
                 self.llm.abort(rid)
-                asyncio.ensure_future(self.llm.release_kv(rid))
+                self._start(self.llm.release_kv(rid))
         first = final.outputs[0]
         first_logprobs = None
         if first.logprobs:
@@ -91,43 +89,21 @@ class PrefillWorker(EngineWorker):
 
     async def release_kv(self, request_id: str) -> bool:
         """The decode side confirms its pull (or gives up): unpin the ticket's blocks."""
-        self._end_hold(request_id)
+        self.llm.kv_views.unhold(request_id)
         return await self.llm.release_kv(request_id)
 
     async def hold_kv(self, request_id: str) -> list[int] | None:
         """A multi-shard pull is starting: keep the pin from expiring until `release_kv`
-        (or the policy's hold, should the decode side vanish). None: lease over."""
-        if request_id in self.holds:
-            return None
-        blocks = self.llm.kv_views.hold(request_id)
-        if blocks is not None:
-            loop = asyncio.get_running_loop()
-            self.holds[request_id] = loop.call_later(self.lease.hold_s, self._end_hold, request_id)
-        return blocks
-
-    def _end_hold(self, request_id: str) -> None:
-        timer = self.holds.pop(request_id, None)
-        if timer is not None:
-            timer.cancel()
-            self.llm.kv_views.unhold(request_id)
+        (or the lease policy's `hold_s`, should the decode side vanish). None: lease over,
+        or held already."""
+        return self.llm.kv_views.hold(request_id)
 
     async def shard_handles(self) -> list:
         return self.shards
 
-    async def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
-        return await asyncio.to_thread(self.source.send_piece, peer_id, tag, blocks, layers, heads)
-
-    async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
-        return await self.source.export_piece(blocks, layers, heads)
-
     async def export_kv(self, request_id: str) -> torch.Tensor | None:
+        """object_store: the request's pinned blocks, packed (the driver holds the pins)."""
         return await self.source.export_kv(request_id)
-
-    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
-        await self.source.join_pair(peer_id, host, port, key, backend, self.kv_config.pull_timeout_seconds)
-
-    async def kv_socket_address(self) -> tuple[str, int]:
-        return socket_address(self.source, self.host, self.kv_config.pull_timeout_seconds)
 
     async def _transfer(self) -> tuple[int, float, list[int]]:
         shard_sent = 0  # KV bytes this worker's other shards sent to decode shards

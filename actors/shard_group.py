@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvray.actors.connectors import KVPullError, KVSource, connector_class
-from kvray.actors.kv_socket import socket_address
+from kvray.actors.kv_transport import KVPullError, KVServing, KVSource, connector_class
 from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.configs import KVTransferConfig
 from kvray.engine import EngineConfig
@@ -93,7 +92,7 @@ def start_shards(
     return shards, init_shard_context(spec, host, store.port, device_backend(config), store), store
 
 
-class ShardWorker:
+class ShardWorker(KVServing):
     """Rank > 0 of a worker: its slice of the model and KV cache; runs the driver's plans."""
 
     def __init__(
@@ -130,6 +129,7 @@ class ShardWorker:
         backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
         self.host = node_ip()  # this shard's node (its driver's may be another)
         self.connector = connector_class(kv.connector)(self.shard_id, kv, self.host, backend)
+        self.lease = self.connector.lease
 
     def _serve(self, config, hf_config, path, shard, built: Future) -> None:
         try:
@@ -147,23 +147,7 @@ class ShardWorker:
     async def ready(self) -> str:
         return self.shard_id
 
-    async def bytes_sent(self) -> int:
-        return self.source.bytes_sent
-
-    # KV source side (this shard's slice of a prefill worker's cache)
-    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
-        await self.source.join_pair(
-            peer_id, host, port, key, backend, self.connector.config.pull_timeout_seconds
-        )
-
-    async def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
-        return await asyncio.to_thread(self.source.send_piece, peer_id, tag, blocks, layers, heads)
-
-    async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
-        return await self.source.export_piece(blocks, layers, heads)
-
-    async def kv_socket_address(self) -> tuple[str, int]:
-        return socket_address(self.source, self.host, self.connector.config.pull_timeout_seconds)
+    # KV source side (this shard's slice of a prefill worker's cache): KVServing's methods
 
     # KV destination side (this shard's slice of a decode worker's cache)
     async def pull_pieces(self, dst_blocks: list[int], *args) -> int:

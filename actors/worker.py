@@ -31,11 +31,10 @@ from kvray.actors.messages import TRANSFER_BUCKETS, Delta, EngineRequest, Worker
 from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.actors.outbox import Outbox
 from kvray.actors.shard_group import start_shards
-from kvray.actors.signals import engine_load
+from kvray.actors.signals import LoadSignals
 from kvray.configs import KVTransferConfig
 from kvray.engine import AsyncLLM, EngineConfig, RequestOutput, SamplingParams
 from kvray.engine.engine_stats import EngineStats
-from kvray.engine.kv_handoff import LeasePolicy
 from kvray.engine.request_limits import RequestLimits
 from kvray.errors import EngineDeadError, KvrayError
 from kvray.timeouts import wait_for
@@ -81,7 +80,7 @@ class EngineWorker:
         self.span_attributes = {"kvray.worker_id": worker_id, "kvray.role": self.role}
         self.kv_config = KVTransferConfig(**(kv_config or {}))
         # the hand-off's timing rules this worker applies (lease, hold, the pin's end)
-        self.lease = LeasePolicy(self.kv_config.lease_seconds, self.kv_config.pull_timeout_seconds)
+        self.lease = self.kv_config.lease_policy()
         config = EngineConfig(**engine_config)
         self.host = node_ip()
         bind_collectives_to(self.host)  # KV pairs and shard groups: never loopback by accident
@@ -101,11 +100,18 @@ class EngineWorker:
         # move them) and `ready` fails, so Serve replaces the worker. A shard group's
         # collectives are then out of step: it exits instead (crash-only), and the router,
         # Serve and its shards all see it gone.
-        self.llm = AsyncLLM(config, on_failure=self._engine_failed, shard=shard)
+        self.llm = AsyncLLM(config, on_failure=self._engine_failed, shard=shard, lease=self.lease)
         self.price_per_hour = price_per_hour
         self.outbox: Outbox | None = None  # made on the actor's loop, at first use
         self.accepting = True
         self.aborted: dict[str, float] = {}  # request id -> when its abort came (oldest first)
+        self.tasks: set[asyncio.Task] = set()  # held: a task nobody references may be collected
+
+    def _start(self, coro) -> None:
+        """Run `coro` on the actor's loop to its end, unawaited (its task held until then)."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _engine_failed(self, error: BaseException) -> None:  # any thread
         self.accepting = False
@@ -200,14 +206,9 @@ class EngineWorker:
     async def kv_cache_stats(self):
         return await self.llm.kv_cache_stats()
 
-    async def load_signals(self) -> dict[str, float]:
+    async def load_signals(self) -> LoadSignals:
         """Autoscaling signals (actors/signals.py): queues now, latencies lately."""
-        outbox = self._outbox()
-        return {
-            **engine_load(await self.llm.stats()),
-            "ttft_seconds": self._ttft_mean(),
-            "itl_seconds": outbox.itl.mean(),
-        }
+        return LoadSignals.of(await self.llm.stats(), self._ttft_mean(), self._outbox().itl.mean())
 
     def _ttft_mean(self) -> float:
         return self._outbox().ttft.mean()

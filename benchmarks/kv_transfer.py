@@ -23,8 +23,8 @@ import time
 import ray
 import torch
 
-from kvray.actors.connectors import CONNECTOR_NAMES, KVSource, connector_class
 from kvray.actors.kv_socket import socket_address
+from kvray.actors.kv_transport import CONNECTOR_NAMES, KVSource, connector_class
 from kvray.actors.net import bind_collectives_to, node_ip
 from kvray.cluster.local import ensure_ray, launch
 from kvray.configs import KVTransferConfig

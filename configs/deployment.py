@@ -105,6 +105,13 @@ class KVTransferConfig(_Strict):
     lease_seconds: float = Field(30.0, gt=0)  # how long prefill keeps a ticket's blocks pinned
     pull_timeout_seconds: float = Field(30.0, gt=0)  # a pull slower than this is given up
 
+    def lease_policy(self):
+        """The hand-off's timing rules these set (kvray.engine.kv_handoff.LeasePolicy): the
+        one policy a worker, its engine and its transports apply, and the simulator too."""
+        from kvray.engine.kv_handoff import LeasePolicy
+
+        return LeasePolicy(self.lease_seconds, self.pull_timeout_seconds)
+
 
 class RouterConfig(_Strict):
     affinity_blocks: int = Field(4, ge=1)  # leading full blocks hashed for prefix affinity

@@ -84,12 +84,12 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         priority: int = 0,
         deadline: float | None = None,
-        kv_lease: float | None = None,
+        pin_kv: bool = False,
         sink: OutputSink | None = None,
         generated_token_ids: list[int] | None = None,
     ) -> OutputStream | None:
         """Queue a request; raises the engine's validation error here, in the caller.
-        `kv_lease`: a prefill for a decode worker; `generated_token_ids`: a request moved
+        `pin_kv`: a prefill for a decode worker; `generated_token_ids`: a request moved
         here from a worker that died (see LLMEngine.add_request). Returns the
         request's stream, or None when its outputs go to `sink`."""
         if self._stopped:
@@ -99,16 +99,16 @@ class AsyncLLM:
         accepted: Future = Future()
         self._send(
             AddRequest(
-                request_id,
-                stream or sink,
-                prompt,
-                sampling_params,
-                priority,
-                deadline,
-                kv_lease,
-                generated_token_ids,
-                matchers,
-                accepted,
+                request_id=request_id,
+                sink=stream or sink,
+                prompt=prompt,
+                params=sampling_params,
+                priority=priority,
+                deadline=deadline,
+                pin_kv=pin_kv,
+                generated_token_ids=generated_token_ids,
+                matchers=matchers,
+                accepted=accepted,
             )
         )
         await asyncio.wrap_future(accepted)

@@ -55,7 +55,7 @@ class Dispatcher:
                 add.params,
                 priority=add.priority,
                 deadline=add.deadline,
-                kv_lease=add.kv_lease,
+                pin_kv=add.pin_kv,
                 generated_token_ids=add.generated_token_ids,
                 matchers=add.matchers,
             )

@@ -22,7 +22,7 @@ class AddRequest:
     params: object  # SamplingParams
     priority: int
     deadline: float | None
-    kv_lease: float | None  # a prefill for a decode worker: how long its blocks stay pinned
+    pin_kv: bool  # a prefill for a decode worker: its blocks stay pinned for the lease
     generated_token_ids: list[int] | None
     matchers: list | None  # structured outputs' grammar matchers, built off the loop
     accepted: Future  # None once the engine took it, or the engine's validation error

@@ -66,6 +66,7 @@ class _Pin:
     block_hashes: tuple[bytes, ...]
     readers: int = 0
     released: bool = False  # let go while being read: goes when the last read ends
+    held_until: float = 0.0  # a multi-shard pull's hold: kept (even past the lease) until then
 
 
 @dataclass
@@ -75,8 +76,12 @@ class PinTable:
 
     A release can overtake the read it confirms: a torch_dist pull's receiver has every
     byte, and says so, before the sender's last send has returned. Such a pin is marked
-    released and `expired` lists it as soon as its last read ends."""
+    released and `expired` lists it as soon as its last read ends.
 
+    A multi-shard pull's driver `hold`s a pin while its shards send their pieces of the
+    blocks: until the decode side releases it, or for `hold_s` should it vanish."""
+
+    hold_s: float = LeasePolicy().hold_s
     pins: dict[str, _Pin] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -100,6 +105,23 @@ class PinTable:
             pin.readers += 1
             return list(pin.blocks)
 
+    def hold(self, request_id: str) -> list[int] | None:
+        """Hold the pin for a multi-shard pull (its blocks); None when it cannot be read
+        (as `begin_read`) or is held already."""
+        with self.lock:
+            pin = self.pins.get(request_id)
+            now = time.time()
+            if pin is None or pin.released or now > pin.deadline or now < pin.held_until:
+                return None
+            pin.held_until = now + self.hold_s
+            return list(pin.blocks)
+
+    def unhold(self, request_id: str) -> None:
+        with self.lock:
+            pin = self.pins.get(request_id)
+            if pin is not None:
+                pin.held_until = 0.0
+
     def end_read(self, request_id: str) -> None:
         with self.lock:
             pin = self.pins.get(request_id)
@@ -121,7 +143,11 @@ class PinTable:
     def expired(self, now: float) -> list[str]:
         """Pins to release now: nobody reads them, and their lease is over or they were let go."""
         with self.lock:
-            return [rid for rid, p in self.pins.items() if not p.readers and (p.released or now > p.deadline)]
+            return [
+                rid
+                for rid, p in self.pins.items()
+                if not p.readers and now >= p.held_until and (p.released or now > p.deadline)
+            ]
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.pins
@@ -147,7 +173,7 @@ class KVHandoff:
         self.kv = kv
         self.block_size = block_size
         self.policy = policy or LeasePolicy()
-        self.pins = PinTable()  # prefill side: prompts held for a pull
+        self.pins = PinTable(self.policy.hold_s)  # prefill side: prompts held for a pull
         self.leases: dict[str, float] = {}  # prefills running: request id -> seconds to pin
         self.pulls: dict[str, Request] = {}  # decode side: KV arriving into reserved blocks
         self.waiting: dict[str, tuple[Request, float]] = {}  # waiting for room: (it, pin's end)
@@ -155,10 +181,10 @@ class KVHandoff:
 
     # ---- the prefill side ---------------------------------------------------------------
 
-    def expect(self, request_id: str, lease_s: float | None = None) -> None:
-        """`request_id` is a prefill: pin its blocks when it finishes (for `lease_s`, by
-        default the policy's)."""
-        self.leases[request_id] = self.policy.lease_s if lease_s is None else lease_s
+    def expect(self, request_id: str) -> None:
+        """`request_id` is a prefill: pin its blocks when it finishes (for the policy's
+        `lease_s`)."""
+        self.leases[request_id] = self.policy.lease_s
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """The scheduler's question at each finish: True keeps the blocks (pinned, now
@@ -202,17 +228,18 @@ class KVHandoff:
 
     # ---- the decode side ----------------------------------------------------------------
 
-    def admit_prefilled(self, request: Request, pin_end: float | None) -> list[int] | None:
+    def admit_prefilled(self, request: Request, pin_end: float | None, now: float) -> list[int] | None:
         """Blocks for a prefilled request's prompt (its first token appended; not indexed
         in the prefix cache until the data has arrived): it is then pulling. None: it waits
         for room (behind any already waiting) while its pin (`pin_end`) lasts (`waits`), or,
-        with none or one about to lapse, is the caller's to recompute (counted here)."""
+        with none or one about to lapse, is the caller's to recompute (counted here).
+        `now`: wall-clock time (time.time()), or the simulator's."""
         if pin_end is None or not self.waiting:
             blocks = self.kv.allocate_slots(request, request.num_prompt_tokens, cache=False)
             if blocks is not None:
                 self.pulls[request.request_id] = request
                 return blocks
-        if self.policy.may_wait(pin_end, time.time()):
+        if self.policy.may_wait(pin_end, now):
             self.waiting[request.request_id] = (request, pin_end)
         else:
             self.num_recomputes += 1

@@ -6,8 +6,8 @@ transfer reads or writes, and nothing wider:
 
 - `pinned(request_id)`: a prefilled prompt's pinned blocks while a pull reads them (the
   pin cannot lapse meanwhile: engine/kv_handoff.py PinTable);
-- `hold` / `unhold`: a sharded pull's driver keeps that read open while its shards send
-  their pieces of the same blocks;
+- `hold` / `unhold`: a sharded pull's driver keeps the pin while its shards send their
+  pieces of the same blocks (until released, or the lease policy's `hold_s`);
 - `of(blocks)`: the blocks the engine reserved for a pulled prompt (the decode side), or
   the blocks a driver holds (a shard's pieces).
 """
@@ -72,16 +72,17 @@ class KVViews:
     def pinned(self, request_id: str) -> Iterator[BlockView | None]:
         """The request's pinned blocks, read until the block ends; None where its lease
         ended (or it never had one)."""
-        blocks = self.hold(request_id)
+        blocks = self._pins.begin_read(request_id)
         try:
             yield None if blocks is None else self.of(blocks)
         finally:
             if blocks is not None:
-                self.unhold(request_id)
+                self._pins.end_read(request_id)
 
     def hold(self, request_id: str) -> list[int] | None:
-        """Start reading the request's pinned blocks (None: lease over); `unhold` ends it."""
-        return self._pins.begin_read(request_id)
+        """Hold the request's pinned blocks for a multi-shard pull (None: lease over, or
+        held already); `unhold` (the decode side's release) or the hold's end lets go."""
+        return self._pins.hold(request_id)
 
     def unhold(self, request_id: str) -> None:
-        self._pins.end_read(request_id)
+        self._pins.unhold(request_id)

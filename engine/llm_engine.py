@@ -17,7 +17,7 @@ from kvray.engine.config import EngineConfig
 from kvray.engine.draft_proposer import DraftProposer
 from kvray.engine.engine_stats import EngineStats, StepStats, engine_stats
 from kvray.engine.kv_cache_manager import KVCacheManager
-from kvray.engine.kv_handoff import KVHandoff, PinTable
+from kvray.engine.kv_handoff import KVHandoff, LeasePolicy, PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket, kv_layout_of
 from kvray.engine.model_runner import build_runner, resolve_max_model_len
 from kvray.engine.output_processor import OutputProcessor
@@ -47,6 +47,7 @@ class LLMEngine:
         tokenizer=None,
         shard: ShardContext | None = None,
         draft_hf_config=None,
+        lease: LeasePolicy | None = None,
     ):
         """Build from `config.model`; tests may pass `hf_config` (random weights, no path),
         and `draft_hf_config` for a draft_model proposer's.
@@ -87,7 +88,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         # every KV hand-off here: prompts held for a decode worker's pull (the scheduler
         # asks it at each finish), and pulls arriving into blocks reserved here
-        self.handoff = KVHandoff(self.kv, config.block_size)
+        # (`lease`: the hand-off's timing rules, the worker's; default LeasePolicy())
+        self.handoff = KVHandoff(self.kv, config.block_size, lease)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -125,12 +127,12 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         deadline: float | None = None,
-        kv_lease: float | None = None,
+        pin_kv: bool = False,
         generated_token_ids: list[int] | None = None,
         matchers: list | None = None,
     ) -> None:
-        """Queue a request. With `kv_lease` (seconds) it is a prefill for a decode worker:
-        when it finishes, its blocks stay pinned for that long (see `kv_ticket`).
+        """Queue a request. With `pin_kv` it is a prefill for a decode worker: when it
+        finishes, its blocks stay pinned for the lease policy's `lease_s` (see `kv_ticket`).
 
         `generated_token_ids`: tokens the request already made on an engine that has gone
         (migration). They are recomputed here with the prompt (prefix cache where it has
@@ -155,8 +157,8 @@ class LLMEngine:
                 self.pending_outputs.append(self.outputs.output(request_id))
                 return
         for s in samples:
-            if kv_lease is not None:
-                self.handoff.expect(s.request_id, kv_lease)
+            if pin_kv:
+                self.handoff.expect(s.request_id)
             self.scheduler.add_request(s)
 
     def _make_samples(
@@ -335,8 +337,9 @@ class LLMEngine:
         """Continue a request whose prompt was prefilled elsewhere and whose first token
         was sampled there. Returns the blocks to pull the prompt's KV into, then call
         `finish_kv_pull`; None when there are none now: the first token ended the request,
-        or no blocks are free. Then, with a `pull_deadline` (wall-clock time when the
-        prefill's pin lapses) still ahead, it waits for blocks (`waits_for_room`) and
+        or no blocks are free. Then, with a `pull_deadline` (the ticket's: wall-clock time
+        when the prefill's pin lapses, counted no later than this host's own count of the
+        lease, `LeasePolicy.pin_end`) still ahead, it waits for blocks (`waits_for_room`) and
         `handoff_step` hands them out as they free up (vLLM's decode side waits so too);
         without, or once it is too near, the prompt is queued for recompute here.
 
@@ -360,7 +363,9 @@ class LLMEngine:
             self.pending_outputs.append(first)
         if reason is not None:
             return None
-        blocks = self.handoff.admit_prefilled(req, pull_deadline)
+        now = time.time()
+        pin_end = None if pull_deadline is None else self.handoff.policy.pin_end(pull_deadline, now)
+        blocks = self.handoff.admit_prefilled(req, pin_end, now)
         if blocks is None and not self.waits_for_room(request_id):
             self.scheduler.add_request(req)  # recomputed here
         return blocks

@@ -374,7 +374,7 @@ static void decode_layers(const DecodeLayer *layers, int32_t num_layers, const D
     const int64_t num_shares = PHASES * num_layers + 2;
     const int head_kind = bf16_io | (head ? head->weight_codes << 1 : 0);
     const int64_t items_head = head ? kvray_linear_items(head->n, rows, head_kind, num_threads) : 0;
-    Share *shares = aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
+    Share *shares = kvray_aligned_alloc(64, sizeof(Share) * num_shares); /* a Share is a cache line */
     memset(shares, 0, sizeof(Share) * num_shares);
     for (int32_t i = 0; i < num_layers; i++) {
         const DecodePlan *plan = &plans[plan_of[i]];

@@ -29,6 +29,18 @@ static inline void *kvray_calloc(size_t count, size_t size) {
     return p;
 }
 
+/* `bytes` aligned to `alignment` (a power of two); rounded up to a multiple of it, as
+ * aligned_alloc requires */
+static inline void *kvray_aligned_alloc(size_t alignment, size_t bytes) {
+    const size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+    void *p = aligned_alloc(alignment, rounded ? rounded : alignment);
+    if (!p) {
+        fprintf(stderr, "kvray native kernels: out of memory allocating %zu aligned bytes\n", bytes);
+        abort();
+    }
+    return p;
+}
+
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {

@@ -8,6 +8,13 @@ uses (`Inbox`, router/inbox.py): the worker sends one list of deltas per engine 
 front's requests, and the inbox hands each delta to its request. No token passes the
 Router, so it may die or restart under running streams.
 
+`Frontend.stream` yields each request's deltas as they come (new tokens, new text, their
+logprobs, the finish reason on the last): the ingress builds its chunks from them
+(router/generation.py). The front keeps of a request only what it needs itself: the token
+ids so far (a migrating request brings them to its next worker) and whether it finished.
+`Frontend.generate` folds the deltas into one cumulative `CompletionOutput` (`grow`), for
+the Python front (`FrontActor`, cluster/local.py), whose callers get cumulative outputs.
+
 Failures: a worker that dies (or is draining) before the request produced output here is
 excluded and the phase is retried on another one (at most `router.max_retries` times). A
 request whose worker dies mid-stream *migrates*: it goes to another live worker of the
@@ -113,14 +120,35 @@ class Frontend:
         priority: int = 0,
         trace: RequestTrace | None = None,
     ) -> AsyncIterator[CompletionOutput]:
-        """Run one request (one sample); yields its CompletionOutput, cumulative, after
-        every delta (the same object, grown in place: read it before the next one).
+        """`stream`, folded: yields the request's CompletionOutput, cumulative, after every
+        delta (the same object, grown in place: read it before the next one)."""
+        out = new_output(params)
+        stream = self.stream(request_id, prompt_token_ids, params, timeout_s, priority, trace)
+        async with aclosing(stream) as deltas:
+            async for delta in deltas:
+                grow(out, delta)
+                yield out
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        timeout_s: float | None = None,
+        priority: int = 0,
+        trace: RequestTrace | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Run one request (one sample); yields its deltas as they come, each the tokens,
+        text and logprobs entries new since the last (consecutive ones from one batch of
+        the worker's stream joined), the last with its finish reason. A migration is not
+        seen in them: the next worker goes on from the next token.
 
         Past its deadline (`timeout_s`, default `router.request_timeout_s`) the request is
         aborted everywhere: RequestTimeoutError if it had no output yet, else its stream
-        ends with finish_reason "abort". While its pool has no live worker it waits for
-        one to join, until the deadline (then NoWorkerError). `trace`: the request's trace
-        (each worker chosen is a `route` span; the workers record theirs under it)."""
+        ends with a delta of finish_reason "abort" (and nothing new). While its pool has
+        no live worker it waits for one to join, until the deadline (then NoWorkerError).
+        `trace`: the request's trace (each worker chosen is a `route` span; the workers
+        record theirs under it)."""
         deadline = time.monotonic() + (timeout_s or self.config.router.request_timeout_s)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         carrier = trace.carrier if trace is not None else None
@@ -128,7 +156,8 @@ class Frontend:
             request_id, prompt_token_ids, params, self.front_id, priority=priority, trace=carrier
         )
         timer = RequestTimer(self.stats, len(prompt_token_ids), trace=trace)
-        out = CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None)
+        generated: list[int] = []  # the token ids so far: a migrating request brings them
+        finish_reason = None
         key = prefix_key(prompt_token_ids, self.block_size, self.config.router.affinity_blocks)
         touched: dict[str, object] = {}  # worker id -> handle: who must hear of an abort
         unclaimed = None  # a prefill worker whose pin no decode worker has taken yet
@@ -158,20 +187,22 @@ class Frontend:
                     return handle.generate.remote(req)
 
             migrations, exclude = 0, []
-            while out.finish_reason is None:
+            while finish_reason is None:
                 try:
                     deltas = self._run_on(role, key, req, start, touched, exclude, deadline, to_compute)
                     async for delta in deltas:
                         unclaimed = None
-                        self._take(out, delta, timer, handed_off)
-                        yield out
+                        generated.extend(delta.token_ids)
+                        finish_reason = delta.finish_reason
+                        self._take(delta, timer, handed_off)
+                        yield delta
                 except RequestTimeoutError:
-                    if not out.token_ids:
+                    if not generated:
                         raise
-                    out.finish_reason = "abort"  # mid-stream: the stream ends, as aborted
+                    finish_reason = "abort"  # mid-stream: the stream ends, as aborted
                     for handle in touched.values():
                         handle.abort.remote(request_id)
-                    yield out
+                    yield Delta(request_id, [], "", None, finish_reason, None)
                 except WorkerDiedError as e:
                     limit = self.config.router.migration_limit
                     if migrations >= limit:
@@ -186,21 +217,20 @@ class Frontend:
                     role = "decode" if self.config.disaggregated else "mixed"
                     key = None if self.config.disaggregated else key
                     exclude = [e.worker_id]
-                    moved = dataclasses.replace(req, generated_token_ids=list(out.token_ids))
+                    moved = dataclasses.replace(req, generated_token_ids=list(generated))
                     to_compute = len(moved.prompt_token_ids) + len(moved.generated_token_ids)
 
                     def start(handle, moved=moved):
                         return handle.generate.remote(moved)
         finally:
-            if out.finish_reason is None:  # the caller left, or it failed: stop it everywhere
+            if finish_reason is None:  # the caller left, or it failed: stop it everywhere
                 for handle in touched.values():
                     handle.abort.remote(request_id)
                 if unclaimed is not None:
                     unclaimed.release_kv.remote(request_id)
-            self.stats.finish(timer, out.finish_reason or "abort")
+            self.stats.finish(timer, finish_reason or "abort")
 
-    def _take(self, out: CompletionOutput, delta: Delta, timer: RequestTimer, handed_off: bool) -> None:
-        _grow(out, delta)
+    def _take(self, delta: Delta, timer: RequestTimer, handed_off: bool) -> None:
         if delta.info is not None:
             if not handed_off:  # (a hand-off's queue time is the prefill worker's, taken above)
                 timer.on_queue_time(delta.info.queue_seconds)
@@ -364,7 +394,13 @@ async def _until(awaitable, deadline: float, request_id: str):
         raise RequestTimeoutError(f"request {request_id} passed its deadline") from None
 
 
-def _grow(out: CompletionOutput, delta: Delta) -> None:
+def new_output(params: SamplingParams) -> CompletionOutput:
+    """An empty cumulative output for `grow` (with a logprobs list when they are asked for)."""
+    return CompletionOutput(0, "", [], logprobs=[] if params.logprobs is not None else None)
+
+
+def grow(out: CompletionOutput, delta: Delta) -> None:
+    """Append one delta of the request to its cumulative output."""
     out.text += delta.text
     out.token_ids.extend(delta.token_ids)
     if out.logprobs is not None and delta.logprobs:

@@ -1,9 +1,12 @@
 """An ingress replica's work on completions and chat (Responses come through chat): the
 body validated, templated and tokenized off the event loop, admitted, its engine requests
 (prompts x n) driven through the Frontend, the answer or the stream of chunks built, and
-kvray's errors turned into OpenAI-shaped ones. With tracing on, each request is one trace
-(kvray/tracing.py): its root span here, `ingress` and `finish` spans beside the Frontend's
-`route` spans and the workers' spans.
+kvray's errors turned into OpenAI-shaped ones. A stream hands each delta the Frontend
+yields (`Frontend.stream`) to the ResponseBuilder as it is (`ResponseBuilder.chunk`); only
+an answer that is not streamed folds each choice's deltas into its whole output
+(`frontend.grow`). With tracing on, each request is one trace (kvray/tracing.py): its root
+span here, `ingress` and `finish` spans beside the Frontend's `route` spans and the
+workers' spans.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from kvray import tracing as attr
 from kvray.configs import ServeConfig
 from kvray.errors import KvrayError
 from kvray.router.api_error import APIError, internal_error
-from kvray.router.frontend import Frontend
+from kvray.router.frontend import Frontend, grow, new_output
 from kvray.router.ingest import Ingest
 from kvray.router.ingress_parts import Admission, api_error_of, cause, num_prompt_tokens, prepare
 from kvray.router.responses import Usage
@@ -98,14 +101,15 @@ class Generation:
             prompt_tokens = num_prompt_tokens(jobs, req.n)
             with self.admission.admitted(len(jobs)):
                 yield None  # validated and admitted: the caller may start the response now
-                outs = {}
+                num_tokens, reasons = {}, {}  # choice -> tokens so far; its finish reason
                 try:
-                    async for index, out in merge([self._outputs(*job, trace=trace) for job in jobs]):
-                        outs[index] = out
+                    async for index, delta in merge([self._deltas(*job, trace=trace) for job in jobs]):
+                        num_tokens[index] = num_tokens.get(index, 0) + len(delta.token_ids)
+                        reasons[index] = delta.finish_reason
                         so_far = None
                         if req.continuous_usage:
-                            so_far = Usage(prompt_tokens, sum(len(c.token_ids) for c in outs.values()))
-                        chunk = builder.delta_chunk(index, out, req.include_usage, so_far)
+                            so_far = Usage(prompt_tokens, sum(num_tokens.values()))
+                        chunk = builder.chunk(index, delta, req.include_usage, so_far)
                         if chunk is not None:
                             yield chunk
                 except KvrayError as e:
@@ -118,9 +122,9 @@ class Generation:
                     yield internal_error(builder.request_id).body()
                     return
                 finishing = time.time_ns()
-                usage = Usage(prompt_tokens, sum(len(c.token_ids) for c in outs.values()))
+                usage = Usage(prompt_tokens, sum(num_tokens.values()))
                 chunk = builder.usage_chunk(usage) if req.include_usage else None
-                _finished(trace, finishing, usage, [c.finish_reason for c in outs.values()])
+                _finished(trace, finishing, usage, list(reasons.values()))
                 if chunk is not None:
                     yield chunk
         except BaseException as e:
@@ -151,27 +155,28 @@ class Generation:
             )
         return prepared
 
-    async def _outputs(
+    async def _deltas(
         self, rid: str, prompt_token_ids: list[int], params, timeout_s=None, priority: int = 0, trace=None
     ):
-        """One engine request's cumulative CompletionOutput after every delta; leaving
-        early aborts it everywhere."""
-        gen = self.frontend.generate(rid, prompt_token_ids, params, timeout_s, priority, trace)
+        """One engine request's deltas as the Frontend yields them; leaving early aborts
+        it everywhere."""
+        gen = self.frontend.stream(rid, prompt_token_ids, params, timeout_s, priority, trace)
         try:
-            async for out in gen:
-                if trace is not None and not trace.first_token_seen and out.token_ids:
+            async for delta in gen:
+                if trace is not None and not trace.first_token_seen and delta.token_ids:
                     trace.first_token()
-                yield out
+                yield delta
         except ray.exceptions.RayTaskError as e:
             raise cause(e) from None
         finally:
             await gen.aclose()
 
-    async def _final(self, *job, trace=None):
-        final = None
-        async for final in self._outputs(*job, trace=trace):  # noqa: B007 (keep the last)
-            pass
-        return final
+    async def _final(self, rid: str, prompt_token_ids: list[int], params, *rest, trace=None):
+        """One engine request's whole output."""
+        out = new_output(params)
+        async for delta in self._deltas(rid, prompt_token_ids, params, *rest, trace=trace):
+            grow(out, delta)
+        return out
 
 
 def _finished(trace: RequestTrace | None, finishing: int, usage: Usage, reasons: list) -> None:

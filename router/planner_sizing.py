@@ -61,13 +61,7 @@ class PlannerSizing:
             num_blocks = self.cost.blocks_in(e.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES, e.block_size)
         else:
             num_blocks = self.cost.kv_cache_blocks(e.block_size, e.gpu_memory_utilization)
-        self.engine = SimEngineConfig(
-            num_blocks=int(num_blocks),
-            block_size=e.block_size,
-            max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens,
-            max_model_len=e.max_model_len or 2048,  # (the model's own: not known here)
-        )
+        self.engine = SimEngineConfig.from_engine(e, int(num_blocks))
         self.totals = totals
         self.clock = clock
         self.history: deque[tuple[float, tuple[float, float, float]]] = deque()

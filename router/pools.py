@@ -50,7 +50,8 @@ class PoolReplica:
         await self.worker.ready.remote()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return await wait_for(self.worker.load_signals.remote(), WORKER_CALL_S)
+        signals = await wait_for(self.worker.load_signals.remote(), WORKER_CALL_S)
+        return signals.metrics()
 
     async def check_health(self) -> None:
         """A dead worker, or one whose engine can no longer serve (its loop died, a step
@@ -67,7 +68,7 @@ class PoolReplica:
             await wait_for(self.worker.drain.remote(), WORKER_CALL_S)
             while time.monotonic() < deadline:
                 load = await wait_for(self.worker.load_signals.remote(), WORKER_CALL_S)
-                if not load["running_requests"] and not load["kv_handoffs"]:
+                if not load.running_requests and not load.kv_handoffs:
                     break
                 await asyncio.sleep(0.2)
             await wait_for(self.worker.shutdown.remote(), WORKER_CALL_S)

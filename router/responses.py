@@ -1,8 +1,13 @@
-"""OpenAI response bodies and stream chunks, built from the engine's cumulative outputs.
+"""OpenAI response bodies and stream chunks.
 
-A stream turns each choice's cumulative `CompletionOutput`s into deltas: the new text,
-the new tokens' logprobs, and the finish reason once. Completions and chat differ only in
-object names, where the text goes (`text` vs `delta.content`) and the logprobs' shape.
+A whole response is built from each choice's cumulative `CompletionOutput`; a stream's
+chunks from each choice's deltas as the front passes them on (`Delta`: the new text, the
+new tokens and their logprobs, the finish reason on the last). Per choice a stream keeps
+only what it must: how much text went out (the logprobs' text offsets), whether the first
+chunk went out (chat's role, completions' echo), and with tools the text so far (the
+parser decides from it what may go out as content, and reads the calls from it at the
+end). Completions and chat differ only in object names, where the text goes (`text` vs
+`delta.content`) and the logprobs' shape.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvray.engine import CompletionOutput
+from kvray.actors.messages import Delta
+from kvray.engine import CompletionOutput, Logprob
 from kvray.router.tool_calls import ToolCallParser
 
 
@@ -28,11 +34,12 @@ class Usage:
 
 
 @dataclass
-class _Sent:
-    text: int = 0  # characters of text already streamed
-    logprobs: int = 0  # tokens whose logprobs were streamed
-    started: bool = False  # chat: the role delta went out
-    finished: bool = False  # the finish reason went out
+class _Streamed:
+    """One choice of a stream: what went out so far."""
+
+    num_chars: int = 0  # characters of text already streamed
+    started: bool = False  # the first chunk went out (chat: the role; completions: the echo)
+    text: str = ""  # with tools only: the text so far, streamed or held back
 
 
 @dataclass
@@ -44,7 +51,7 @@ class ResponseBuilder:
     tools: ToolCallParser | None = None  # chat with tools: read tool calls out of the text
     echo: dict[int, str] = field(default_factory=dict)  # completions with echo: choice -> its prompt's text
     created: int = field(default_factory=lambda: int(time.time()))
-    sent: dict[int, _Sent] = field(default_factory=dict)
+    streamed: dict[int, _Streamed] = field(default_factory=dict)
 
     @property
     def _object(self) -> str:
@@ -56,7 +63,9 @@ class ResponseBuilder:
         out = []
         for index in sorted(choices):
             c = choices[index]
-            logprobs = self._logprobs(c, 0, 0) if c.logprobs is not None else None
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = self._logprobs(c.token_ids[: len(c.logprobs)], c.logprobs, 0)
             finish_reason = c.finish_reason
             if self.chat:
                 message = {"role": "assistant", "content": c.text}
@@ -84,56 +93,60 @@ class ResponseBuilder:
 
     # ---- streams ------------------------------------------------------------------------
 
-    def delta_chunk(
-        self, index: int, c: CompletionOutput, include_usage: bool, usage: Usage | None = None
-    ) -> dict | None:
-        """The chunk for what `c` adds to choice `index` since the last one (None: nothing
-        new). `usage`: the request's so far, when every chunk carries it."""
-        sent = self.sent.setdefault(index, _Sent())
-        shown = len(c.text)
-        if self.tools is not None and c.finish_reason is None:
-            shown = self.tools.streamable(c.text)  # what may be a tool call waits for the end
-        text = c.text[sent.text : shown] if shown >= sent.text else ""
+    def chunk(self, index: int, delta: Delta, include_usage: bool, usage: Usage | None = None) -> dict | None:
+        """The chunk for choice `index`'s `delta` (None: nothing to send yet). `usage`:
+        the request's so far, when every chunk carries it."""
+        streamed = self.streamed.setdefault(index, _Streamed())
+        finished = delta.finish_reason is not None
+        text = delta.text
+        if self.tools is not None:
+            streamed.text += delta.text
+            shown = len(streamed.text)
+            if not finished:
+                shown = self.tools.streamable(streamed.text)  # what may be a tool call waits for the end
+            text = streamed.text[streamed.num_chars : shown]
         logprobs = None
-        if c.logprobs is not None and len(c.logprobs) > sent.logprobs:
-            logprobs = self._logprobs(c, sent.logprobs, sent.text)
-            sent.logprobs = len(c.logprobs)
-        if not text and logprobs is None and c.finish_reason is None and sent.started:
+        if delta.logprobs:
+            logprobs = self._logprobs(delta.token_ids, delta.logprobs, streamed.num_chars)
+        if not text and logprobs is None and not finished and streamed.started:
             return None
-        sent.text = max(sent.text, shown)
-        finish_reason = c.finish_reason
+        before = streamed.num_chars  # (the text that went out before this chunk)
+        streamed.num_chars += len(text)
+        finish_reason = delta.finish_reason
         if self.chat:
-            delta = {"content": text}
-            if not sent.started:
-                delta["role"] = "assistant"
-            if self.tools is not None and c.finish_reason is not None:
-                delta, finish_reason = self._final_tool_delta(delta, c, sent)
-            choice = {"index": index, "delta": delta}
+            said = {"content": text}
+            if not streamed.started:
+                said["role"] = "assistant"
+            if self.tools is not None and finished:
+                said, finish_reason = self._final_tool_delta(said, streamed.text, before, finish_reason)
+            choice = {"index": index, "delta": said}
         else:
-            if not sent.started:
+            if not streamed.started:
                 text = self.echo.get(index, "") + text
             choice = {"index": index, "text": text}
-        sent.started = True
-        choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason)
-        return self._chunk([choice], usage.body() if usage is not None else None, include_usage)
+        streamed.started = True
+        choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=delta.stop_reason)
+        return self._envelope([choice], usage.body() if usage is not None else None, include_usage)
 
-    def _final_tool_delta(self, delta: dict, c: CompletionOutput, sent: _Sent) -> tuple[dict, str]:
-        """The last delta of a chat with tools: content not yet sent (what preceded the
-        calls, or all of it when there were none), then the calls, each whole."""
-        _, calls = self.tools.parse(c.text)
+    def _final_tool_delta(self, delta: dict, text: str, sent: int, finish_reason: str) -> tuple[dict, str]:
+        """The last delta of a chat with tools, given the whole `text` (`sent` characters
+        of it streamed): with calls in it, the role (if not sent yet), the content before
+        the calls not streamed yet (it came with them), then the calls, each whole; without
+        calls, `delta` as it is."""
+        _, calls = self.tools.parse(text)
         if not calls:
-            return delta, c.finish_reason
-        held = c.text[sent.text : self.tools.streamable(c.text)].rstrip()
+            return delta, finish_reason
+        held = text[sent : self.tools.streamable(text)].rstrip()
         delta = {k: v for k, v in delta.items() if k == "role"}
         if held:
             delta["content"] = held
         delta["tool_calls"] = [{"index": i, **t.body()} for i, t in enumerate(calls)]
-        return delta, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return delta, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def usage_chunk(self, usage: Usage) -> dict:
-        return self._chunk([], usage.body(), True)
+        return self._envelope([], usage.body(), True)
 
-    def _chunk(self, choices: list, usage: dict | None, include_usage: bool) -> dict:
+    def _envelope(self, choices: list, usage: dict | None, include_usage: bool) -> dict:
         chunk = {
             "id": self.request_id,
             "object": self._object + ".chunk" if self.chat else self._object,
@@ -147,10 +160,9 @@ class ResponseBuilder:
 
     # ---- logprobs -----------------------------------------------------------------------
 
-    def _logprobs(self, c: CompletionOutput, start: int, text_offset: int) -> dict:
-        """Logprobs of tokens start.. in OpenAI's completions or chat shape."""
-        tokens = c.token_ids[start : len(c.logprobs)]
-        entries = c.logprobs[start:]
+    def _logprobs(self, tokens: list[int], entries: list[dict[int, Logprob]], text_offset: int) -> dict:
+        """The logprobs of `tokens` (one entry each) in OpenAI's completions or chat shape;
+        `text_offset`: where the first token's text starts in the choice's text."""
         decode = self._token_text
         if self.chat:
             content = []

@@ -5,7 +5,7 @@ system message, `input` text or items (messages, `function_call`, `function_call
 the messages after the conversation its `previous_response_id` names, `text.format` the
 response format, function `tools` the chat tools. The chat path validates, tokenizes and
 runs it as any chat request; its answer comes back as a Response object (`Reply`,
-`response_body`), its stream as the Responses events (router/responses_events.py).
+`response_body`), its stream's chunks as the Responses events (router/responses_route.py).
 
 A stored response (`store`, the default) keeps its whole conversation in `ResponseStore`:
 in this ingress replica's memory, bounded, and under the API key that made it, so only

@@ -25,6 +25,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from kvray.actors.messages import WorkerStats
 from kvray.configs import DeploymentConfig
+from kvray.engine.request_limits import RequestLimits
 from kvray.errors import KvrayError
 from kvray.routing import WorkerLoad, choose_decode, choose_prefill
 from kvray.timeouts import wait_for
@@ -152,8 +153,8 @@ class Router:
             if w.role == role and w.accepting and w.missed < MAX_MISSED_PROBES and w.worker_id not in exclude
         ]
 
-    async def model_info(self, wait_seconds: float = 0.0) -> dict:
-        """max_model_len and vocab_size, as a worker's engine sees them (waiting up to
+    async def model_info(self, wait_seconds: float = 0.0) -> RequestLimits:
+        """The limits requests are checked against, as a worker's engine sees them (waiting up to
         `wait_seconds` for a first worker to join)."""
         deadline = time.monotonic() + wait_seconds
         while True:

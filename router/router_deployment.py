@@ -14,6 +14,7 @@ from ray import serve
 
 from kvray.actors.messages import WorkerStats
 from kvray.configs import DeploymentConfig, ServeConfig
+from kvray.engine.request_limits import RequestLimits
 from kvray.router.router import Router
 
 MAX_ONGOING_REQUESTS = 10_000  # route calls are short; the ingress replicas admit requests
@@ -58,7 +59,7 @@ class RouterDeployment:
     async def has_worker(self, worker_id: str) -> bool:
         return worker_id in self.router.workers
 
-    async def model_info(self) -> dict:
+    async def model_info(self) -> RequestLimits:
         return await self.router.model_info(wait_seconds=FIRST_WORKER_WAIT_S)
 
     async def live_workers(self) -> dict[str, list[str]]:

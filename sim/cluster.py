@@ -5,8 +5,10 @@ Events happen in time order (ties in the order they were made):
 
     arrive ──▶ route (prefill | mixed) ──▶ worker steps ... first token
       PD:  prefill finished ──(1 hop)▶ the front routes decode ──(1 hop)▶ the decode worker
-           takes the first token (──(1 hop)▶ client) and reserves blocks ──▶ pull (bytes /
-           link) ──▶ pulled: it admits the request, the prefill worker unpins ──▶ steps ...
+           takes the first token (──(1 hop)▶ client) and reserves blocks (or waits for
+           room between its steps while the prefill's pin lasts, else recomputes) ──▶
+           pull (bytes / link) ──▶ pulled: it admits the request, the prefill worker
+           unpins ──▶ steps ...
 
 The router sees what kvray's Router sees: load reports taken every `report_interval_s`
 (its health period) plus what it has routed since, and it chooses with the same functions
@@ -21,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvray.engine.kv_handoff import LeasePolicy
 from kvray.engine.request import Request
 from kvray.routing import WorkerLoad, choose_decode, choose_prefill, prefix_key
 from kvray.sim.cost_model import StepTimeModel
@@ -57,6 +60,9 @@ class ClusterSpec:
     # the prefill -> decode link for KV pulls (None: the devices' own link, e.g. NVLink)
     kv_bandwidth: float | None = None  # bytes/s
     kv_latency_s: float | None = None
+    # the hand-off's timing: a prefill's ticket lasts `lease_s` from its prompt's end; a
+    # decode worker without room waits for some until `pull_margin_s` before that
+    lease: LeasePolicy = LeasePolicy()
 
     def __post_init__(self) -> None:
         if (self.mixed is None) == (self.prefill is None or self.decode is None):
@@ -107,7 +113,10 @@ class Simulator:
             pool: PoolSpec | None = getattr(spec, role)
             if pool is not None:
                 self.pools[role] = [
-                    SimWorker(f"{role}-{i}", role, pool.engine, pool.cost) for i in range(pool.num_workers)
+                    SimWorker(
+                        f"{role}-{i}", role, pool.engine, pool.cost, clock=self._clock, lease=spec.lease
+                    )
+                    for i in range(pool.num_workers)
                 ]
         self.views = {role: _RouterView(ws, spec.report_interval_s) for role, ws in self.pools.items()}
         self.events: list = []
@@ -120,6 +129,10 @@ class Simulator:
         self.kicked: set[str] = set()  # workers with a step start pending now
         self.num_reports = 0  # health rounds in the event queue
         self.link_free: dict[tuple[str, str], float] = {}  # (out|in, worker id) -> when free
+        self.pinned_on: dict[str, SimWorker] = {}  # a decode worker's wait or pull -> the prefill worker
+
+    def _clock(self) -> float:
+        return self.now
 
     def _at(self, t: float, fn: Callable, *args, late: bool = False) -> None:
         """Run fn(*args) at time t; `late` ones after every other event of the same time."""
@@ -207,7 +220,15 @@ class Simulator:
             self._at(self.now, self._start, worker, late=True)
 
     def _start(self, worker: SimWorker) -> None:
+        """Between two steps, as the engine's loop: the hand-off's turn, then a step."""
         self.kicked.discard(worker.worker_id)
+        if worker.stepping:  # its step's end kicks it again
+            return
+        for rid, blocks in worker.handoff_step():
+            if blocks is not None:
+                self._pull(worker, rid)
+            else:  # recomputed here: the pin goes at once
+                self.pinned_on.pop(rid).release_pin(rid)
         seconds = worker.start_step()
         if seconds is not None:
             self._at(self.now + seconds, self._step_done, worker)
@@ -223,7 +244,7 @@ class Simulator:
                 worker.release_pin(rid)
                 self.prompts.pop(rid)
             else:  # first token and ticket to the front, which hands both to a decode worker
-                self._at(self.now + n, self._hand_off, worker, req)
+                self._at(self.now + n, self._hand_off, worker, req, self.now + self.spec.lease.lease_s)
         self._kick(worker)
 
     def _token(self, request_id: str) -> None:
@@ -238,36 +259,49 @@ class Simulator:
                 self.records[r.request_id].arrival_s = r.arrival_s
             self._at(r.arrival_s, self._arrive, r)
 
-    def _hand_off(self, prefill: SimWorker, done: Request) -> None:
-        """At the front: route the decode side and send it the request."""
+    def _hand_off(self, prefill: SimWorker, done: Request, deadline: float) -> None:
+        """At the front: route the decode side and send it the request (and the ticket,
+        whose pin lasts until `deadline`)."""
         view = self.views["decode"]
         decode = view.pick(choose_decode(view.current()))
-        self._at(self.now + self.spec.network_s, self._admit, prefill, decode, done)
+        self._at(self.now + self.spec.network_s, self._admit, prefill, decode, done, deadline)
 
-    def _admit(self, prefill: SimWorker, decode: SimWorker, done: Request) -> None:
+    def _admit(self, prefill: SimWorker, decode: SimWorker, done: Request, deadline: float) -> None:
         """At the decode worker: it takes the first token (its output goes to the front
-        from here, as `add_prefilled_request` makes it) and reserves blocks for the pull."""
+        from here, as `add_prefilled_request` makes it) and reserves blocks for the pull,
+        or waits for room (at the latest until the pin is about to lapse), or recomputes."""
         rid = done.request_id
         req = decode.new_request(rid, self.prompts.pop(rid), self.records[rid].output_len, done.arrival_time)
         req.append_token(STAND_IN_TOKEN)  # the first token, sampled by the prefill
         self._token(rid)
-        if decode.reserve_pull(req):
-            seconds = self.spec.decode.cost.kv_pull_s(
-                req.num_prompt_tokens, self.spec.kv_bandwidth, self.spec.kv_latency_s
-            )
-            # a link carries one pull at a time, at its full rate: a pull waits for the
-            # prefill worker's way out and the decode worker's way in to both be free
-            ends = (("out", prefill.worker_id), ("in", decode.worker_id))
-            start = max(self.now, *(self.link_free.get(end, 0.0) for end in ends))
-            for end in ends:
-                self.link_free[end] = start + seconds
-            self._at(start + seconds, self._pulled, prefill, decode, rid)
+        self.pinned_on[rid] = prefill
+        pin_end = self.spec.lease.pin_end(deadline, self.now)
+        admission = decode.reserve_pull(req, pin_end)
+        if admission == "pull":
+            self._pull(decode, rid)
+        elif admission == "wait":  # its wait ends here, if no room came before
+            self._at(pin_end - self.spec.lease.pull_margin_s, self._kick, decode)
         else:  # recomputed on the decode worker: the pin goes at once
-            prefill.release_pin(rid)
+            self.pinned_on.pop(rid).release_pin(rid)
             self._kick(decode)
+
+    def _pull(self, decode: SimWorker, request_id: str) -> None:
+        """Start a pull into the blocks reserved on `decode`."""
+        prefill = self.pinned_on[request_id]
+        seconds = self.spec.decode.cost.kv_pull_s(
+            self.records[request_id].prompt_len, self.spec.kv_bandwidth, self.spec.kv_latency_s
+        )
+        # a link carries one pull at a time, at its full rate: a pull waits for the
+        # prefill worker's way out and the decode worker's way in to both be free
+        ends = (("out", prefill.worker_id), ("in", decode.worker_id))
+        start = max(self.now, *(self.link_free.get(end, 0.0) for end in ends))
+        for end in ends:
+            self.link_free[end] = start + seconds
+        self._at(start + seconds, self._pulled, prefill, decode, request_id)
 
     def _pulled(self, prefill: SimWorker, decode: SimWorker, request_id: str) -> None:
         decode.land_pull(request_id)
+        del self.pinned_on[request_id]
         prefill.release_pin(request_id)
         self._kick(decode)
         self._kick(prefill)  # blocks came back: a waiting prompt may fit now

@@ -1,9 +1,11 @@
 """`kvray sim validate`: predict a measured `kvray bench serve` run of a serve config.
 
-The cluster comes from the config (pools, engine limits, the KV budget in blocks), the
-load from the result JSON (each request's prompt and output length in send order, the
-request rate and the clients' max concurrency), the step times from the profile measured
-on this machine for each pool's torch threads (`kvray bench step-times --threads N`).
+The cluster comes from the config, read as `kvray serve` reads it (`ServeConfig`: each
+pool's engine is `DeploymentConfig.engine_config(role)`, with EngineConfig's defaults; the
+KV budget in blocks; the router's and the hand-off's settings), the load from the result
+JSON (each request's prompt and output length in send order, the request rate and the
+clients' max concurrency), the step times from the profile measured on this machine for
+each pool's torch threads (`kvray bench step-times --threads N`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from kvray.configs import ServeConfig
 from kvray.engine.config import DEFAULT_CPU_KV_BYTES
 from kvray.sim.cluster import ClusterSpec, PoolSpec, simulate
 from kvray.sim.cost_model import StepTimeModel
@@ -23,7 +26,6 @@ from kvray.sim.worker import SimEngineConfig
 from kvray.sim.workload import SimRequest, arrival_times
 
 PROFILES = Path(__file__).parent / "profiles"
-ENGINE_DEFAULTS = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048}
 COMPARED = (
     "output_throughput",
     "mean_ttft_ms",
@@ -51,32 +53,40 @@ def _profile(threads: int, override: str | None) -> StepTimeModel:
     return StepTimeModel.from_dict(json.loads(profile_path(threads, override).read_text())["fit"])
 
 
-def cluster_from_config(config: dict, profile: str | None = None, network_s: float = 0.0) -> ClusterSpec:
-    engine_args = {**ENGINE_DEFAULTS, **config.get("engine", {})}
+def serve_config(config: ServeConfig | dict) -> ServeConfig:
+    """A serve config (a YAML file's fields) validated as `kvray serve` takes it."""
+    return config if isinstance(config, ServeConfig) else ServeConfig(**config)
+
+
+def cluster_from_config(
+    config: ServeConfig | dict, profile: str | None = None, network_s: float = 0.0
+) -> ClusterSpec:
+    """The cluster `config` serves: each pool's workers with the engine they run (the
+    deployment's `engine`, the pool's own over it), their KV budget in blocks and the step
+    times of their torch threads."""
+    cfg = serve_config(config)
 
     def pool(role: str) -> PoolSpec:
-        p = config.get(role, {})
-        cost = _profile(int(p.get("torch_threads") or 2), profile)
-        if engine_args.get("kv_cache_dtype", "auto") in ("int8", "fp8_e4m3"):
+        p, e = getattr(cfg, role), cfg.engine_config(role)
+        cost = _profile(p.torch_threads or 2, profile)
+        if e.kv_cache_dtype in ("int8", "fp8_e4m3"):
             d = cost.model.head_dim  # per token and head: d one-byte codes and a 4-byte scale
             cost = replace(cost, model=replace(cost.model, kv_dtype_bytes=(d + 4) / d))
-        budget = engine_args.get("kv_cache_memory_bytes") or DEFAULT_CPU_KV_BYTES
-        num_blocks = cost.blocks_in(budget, engine_args["block_size"])
-        engine = SimEngineConfig(
-            num_blocks=num_blocks,
-            block_size=engine_args["block_size"],
-            max_num_seqs=engine_args["max_num_seqs"],
-            max_num_batched_tokens=engine_args["max_num_batched_tokens"],
-            max_model_len=engine_args["max_model_len"],
-            enable_prefix_caching=engine_args.get("enable_prefix_caching", True),
-        )
-        return PoolSpec(int(p.get("num_workers", 1)), engine, cost)
+        num_blocks = cost.blocks_in(e.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES, e.block_size)
+        return PoolSpec(p.num_workers, SimEngineConfig.from_engine(e, num_blocks), cost)
 
-    if config.get("disaggregated", True):
-        local = int((config.get("router") or {}).get("max_local_prefill_length", 0))
+    router, kv = cfg.router, cfg.kv_transfer
+    common = {
+        "affinity_blocks": router.affinity_blocks,
+        "imbalance_threshold": router.imbalance_threshold,
+        "report_interval_s": router.health_check_seconds,
+        "network_s": network_s,
+        "lease": kv.lease_policy(),  # as the workers take it
+    }
+    if cfg.disaggregated:
         pools = {"prefill": pool("prefill"), "decode": pool("decode")}
-        return ClusterSpec(**pools, network_s=network_s, max_local_prefill_length=local)
-    return ClusterSpec(mixed=pool("mixed"), network_s=network_s)
+        return ClusterSpec(**pools, max_local_prefill_length=router.max_local_prefill_length, **common)
+    return ClusterSpec(mixed=pool("mixed"), **common)
 
 
 def requests_from_result(result: dict) -> list[SimRequest]:
@@ -94,7 +104,9 @@ def requests_from_result(result: dict) -> list[SimRequest]:
     ]
 
 
-def predict(config: dict, result: dict, profile: str | None = None, network_s: float = 0.0) -> SimResult:
+def predict(
+    config: ServeConfig | dict, result: dict, profile: str | None = None, network_s: float = 0.0
+) -> SimResult:
     spec = cluster_from_config(config, profile, network_s)
     concurrency = result.get("max_concurrency") or None  # 0 or none: unlimited, as the bench reads it
     return simulate(spec, requests_from_result(result), max_concurrency=concurrency)
@@ -115,12 +127,11 @@ def validate(
 ) -> list:
     if not config_path.exists():  # a preset's name
         config_path = Path(__file__).resolve().parent.parent / "configs" / f"{config_path.stem}.yaml"
-    config = yaml.safe_load(config_path.read_text())
+    config = serve_config(yaml.safe_load(config_path.read_text()))
     measured = json.loads(result_path.read_text())
     sim = predict(config, measured, profile, network_s).summary()
     rows = compare(measured, replace_nan(sim))
-    roles = ("prefill", "decode") if config.get("disaggregated", True) else ("mixed",)
-    threads = sorted({int(config.get(r, {}).get("torch_threads") or 2) for r in roles})
+    threads = sorted({getattr(config, r).torch_threads or 2 for r in config.roles})
     used = ", ".join(profile_path(t, profile).name for t in threads)
     n, conc = len(measured["input_lens"]), measured.get("max_concurrency")
     print(f"{config_path.name}: {n} requests, max concurrency {conc}; step times: {used}")

@@ -5,15 +5,20 @@ A step is `schedule()` now and `update_from_output()` when the step-time model s
 forward is done; the sampled token is a stand-in (requests are `ignore_eos` with
 `max_tokens` = their output length, so only the count matters). Prefill workers hold a
 finished prompt's blocks through the real `KVHandoff` until the decode side has
-pulled them; decode workers reserve blocks for a pull and admit the request when it
-lands, as `LLMEngine.add_prefilled_request` / `finish_kv_pull` do.
+pulled them; decode workers reserve blocks for a pull (or wait for room while the
+prefill's pin lasts, or recompute) and admit the request when it lands, as
+`LLMEngine.add_prefilled_request` / `handoff_step` / `finish_kv_pull` do. Every time the
+hand-off reads is the simulation's (`clock`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from kvray.engine.config import EngineConfig
 from kvray.engine.kv_cache_manager import KVCacheManager
 from kvray.engine.kv_handoff import KVHandoff, LeasePolicy
 from kvray.engine.request import Request
@@ -22,8 +27,15 @@ from kvray.engine.scheduler import Policy, Scheduler, SchedulerOutput
 from kvray.sim.cost_model import RequestWork, StepTimeModel
 
 Role = Literal["prefill", "decode", "mixed"]
+Admission = Literal["pull", "wait", "recompute"]  # what a decode worker does with a prefilled request
 STAND_IN_TOKEN = 1  # what every simulated step "samples"
-LEASE_S = 1e9  # the simulator releases a pin when its pull lands, never by lease
+# a prefill's pin is let go when the decode side has pulled it or given up (which it does
+# `pull_margin_s` before the ticket's deadline), never by lease: the cluster keeps the
+# ticket's deadline (`ClusterSpec.lease`) on the simulated clock
+LEASE_S = math.inf
+# the context length of an engine whose `max_model_len` is None (the model's own, which the
+# simulator does not load); the engine too takes 2048 for a model config that states none
+MODEL_LEN_FALLBACK = 2048
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,23 @@ class SimEngineConfig:
                 f"max_model_len ({self.max_model_len}) request: more memory, a larger tp or a shorter context"
             )
 
+    @classmethod
+    def from_engine(
+        cls, engine: EngineConfig, num_blocks: int, model_len: int = MODEL_LEN_FALLBACK
+    ) -> SimEngineConfig:
+        """What an engine run with `engine` schedules by, over `num_blocks` KV blocks (what
+        its runner sizes at start-up, so it travels apart from the config); `model_len`:
+        the model's own context, for an engine whose `max_model_len` is None."""
+        return cls(
+            num_blocks=num_blocks,
+            block_size=engine.block_size,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_model_len=engine.max_model_len or model_len,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            policy=engine.scheduling_policy,
+        )
+
 
 def batch_of(out: SchedulerOutput) -> list[RequestWork]:
     """The step's work, as the cost model reads it."""
@@ -52,14 +81,24 @@ def batch_of(out: SchedulerOutput) -> list[RequestWork]:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, role: Role, engine: SimEngineConfig, cost: StepTimeModel):
+    def __init__(
+        self,
+        worker_id: str,
+        role: Role,
+        engine: SimEngineConfig,
+        cost: StepTimeModel,
+        *,
+        clock: Callable[[], float],
+        lease: LeasePolicy,
+    ):
         self.worker_id = worker_id
         self.role = role
         self.engine = engine
         self.cost = cost
+        self.clock = clock  # the simulation's now
         self.kv = KVCacheManager(engine.num_blocks, engine.block_size, engine.enable_prefix_caching)
-        # the engine's own hand-off state: a prefill's pins, a decode worker's pulls
-        self.handoff = KVHandoff(self.kv, engine.block_size, LeasePolicy(lease_s=LEASE_S))
+        # the engine's own hand-off state: a prefill's pins, a decode worker's pulls and waits
+        self.handoff = KVHandoff(self.kv, engine.block_size, replace(lease, lease_s=LEASE_S))
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=engine.max_num_seqs,
@@ -92,14 +131,29 @@ class SimWorker:
 
     # ---- the decode side of a hand-off ------------------------------------------------
 
-    def reserve_pull(self, request: Request) -> bool:
-        """Blocks for a prefilled request's prompt KV (its first token already appended):
-        True when reserved (call `land_pull` when the bytes arrive); False when there is no
-        room, and the prompt is queued for recompute here instead."""
-        if self.handoff.admit_prefilled(request, pin_end=None) is None:  # (the engine waits for room)
-            self.scheduler.add_request(request)
-            return False
-        return True
+    def reserve_pull(self, request: Request, pin_end: float) -> Admission:
+        """A prefilled request (its first token already appended) whose prefill's pin lasts
+        until `pin_end`, as `LLMEngine.add_prefilled_request` takes it: "pull" when blocks
+        are reserved (call `land_pull` when the bytes arrive); "wait" while there is no room
+        (`handoff_step` grants it some later, or sends it to recompute as the pin nears its
+        end); "recompute" when the pin is too near its end to wait (queued here)."""
+        if self.handoff.admit_prefilled(request, pin_end, self.clock()) is not None:
+            return "pull"
+        if self.handoff.waits(request.request_id):
+            return "wait"
+        self.scheduler.add_request(request)
+        return "recompute"
+
+    def handoff_step(self) -> list[tuple[str, list[int] | None]]:
+        """Between steps, as `LLMEngine.handoff_step`: (request id, blocks to pull into) for
+        each waiting request that got room, (request id, None) for one whose pin is about to
+        lapse (queued here for recompute). No room goes out while a preempted request waits
+        to come back."""
+        may_allocate = not any(r.num_preemptions for r in self.scheduler.waiting)
+        step = self.handoff.on_step(self.clock(), may_allocate)
+        for req in step.recompute:
+            self.scheduler.add_request(req)
+        return step.rooms
 
     def land_pull(self, request_id: str) -> None:
         self.scheduler.add_running(self.handoff.finish_pull(request_id, ok=True))
@@ -109,6 +163,10 @@ class SimWorker:
         self.handoff.release(request_id)
 
     # ---- stepping ---------------------------------------------------------------------
+
+    @property
+    def stepping(self) -> bool:
+        return self.step is not None
 
     def start_step(self) -> float | None:
         """Schedule the next step; its seconds, or None when there is nothing to run."""

@@ -332,3 +332,16 @@ def test_a_planner_alone_shrinks_the_pool_when_the_rate_falls_and_when_idle():
     assert policy(ctx)[0] == 1  # 0.1 req/s: one H100 takes it
     ctx.current_num_replicas = 3
     assert policy(ctx)[0] == 1  # a whole window without a finished request
+
+
+def test_every_autoscaling_signal_is_a_field_of_the_workers_load_signals():
+    """The policy reads the metrics a pool replica records (`LoadSignals.metrics()`) by
+    name: a renamed field would leave a signal silently unread."""
+    import dataclasses
+
+    from kvray.actors.signals import LoadSignals
+    from kvray.router.autoscaling import MEANS, SIGNALS
+
+    fields = {f.name for f in dataclasses.fields(LoadSignals)}
+    assert {s for signals in SIGNALS.values() for s in signals} <= fields
+    assert set(MEANS) <= fields

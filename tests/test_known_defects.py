@@ -138,7 +138,7 @@ def test_a_pull_whose_sender_never_answers_gives_up_at_the_pull_timeout():
     import datetime
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvray.actors.connectors import receive_packed
+    from kvray.actors.kv_transport import receive_packed
     from kvray.actors.pair_group import host_store, join_pair_groups
     from kvray.engine.kv_transfer import KVLayout, KVTicket
     from kvray.engine.kv_views import KVViews

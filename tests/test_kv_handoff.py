@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvray.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvray.engine.kv_handoff import LeasePolicy
 from kvray.engine.kv_transfer import pack_blocks, prefill_params, unpack_blocks
 
 pytestmark = pytest.mark.slow
@@ -43,8 +44,9 @@ def _run(engine: LLMEngine) -> dict:
 
 
 def _handoff(prefill: LLMEngine, decode: LLMEngine, params: SamplingParams, lease: float, late: bool):
+    prefill.handoff.policy = LeasePolicy(lease_s=lease)  # the prefill worker's rules
     for i, p in enumerate(PROMPTS):
-        prefill.add_request(str(i), p, prefill_params(params), kv_lease=lease)
+        prefill.add_request(str(i), p, prefill_params(params), pin_kv=True)
     firsts = _run(prefill)
     if late:  # a zero lease has ended by the time the decode side asks
         prefill.expire_kv_leases()

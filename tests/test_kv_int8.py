@@ -48,7 +48,6 @@ def test_a_pull_between_different_kinds_of_cache_is_refused_before_any_byte_move
     import torch
 
     from kvray.actors.kv_pull import KVPuller
-    from kvray.configs import KVTransferConfig
     from kvray.engine.kv_transfer import KVLayout, KVTicket
     from kvray.engine.kv_views import KVViews
 
@@ -66,7 +65,7 @@ def test_a_pull_between_different_kinds_of_cache_is_refused_before_any_byte_move
         async def pull(self, *args):
             raise AssertionError("a pull started")
 
-    puller = KVPuller(Connector(), KVTransferConfig(), fp32, [])
+    puller = KVPuller(Connector(), fp32, [])
     ticket = KVTicket("prefill-0", "r1", (1, 2), 20, (), int8, time.time() + 30)
     into = KVViews(torch.zeros(1)).of([5, 6])
     assert asyncio.run(puller.pull(ticket, Prefill(), into)) is False

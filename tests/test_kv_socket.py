@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from kvray.actors.connectors import KVPullError, KVSource
 from kvray.actors.kv_socket import COUNT, LENGTH, SocketConnector, socket_address
+from kvray.actors.kv_transport import KVPullError, KVSource
 from kvray.configs import KVTransferConfig
 from kvray.engine.kv_handoff import PinTable
 from kvray.engine.kv_transfer import KVLayout, KVTicket

@@ -230,6 +230,27 @@ def test_a_request_past_its_deadline_is_aborted(first):
     assert worker.aborted == ["r0"]  # its blocks are freed there
 
 
+def test_the_stream_passes_deltas_on_as_deltas():
+    """`Frontend.stream` yields what each worker sent, a migration unseen (the next worker
+    goes on from the next token; the front alone keeps the tokens so far), and a request
+    past its deadline mid-stream ends with an "abort" delta that adds nothing."""
+    dying, finishing = DyingWorker("mixed-0"), FinishingWorker("mixed-1")
+    front = Frontend(FakeRouter([dying, finishing]), DeploymentConfig(disaggregated=False), "front-0")
+
+    async def deltas(front, **kw):
+        return [
+            (d.token_ids, d.text, d.finish_reason)
+            async for d in front.stream("r0", [1, 2, 3], SamplingParams(max_tokens=3), **kw)
+        ]
+
+    assert asyncio.run(deltas(front)) == [([11], "a", None), ([12, 13], "bc", "length")]
+    assert finishing.requests[0].generated_token_ids == [11]
+    silent = SilentWorker("mixed-0", first=True)
+    front = Frontend(FakeRouter([silent]), DeploymentConfig(disaggregated=False), "front-0")
+    assert asyncio.run(deltas(front, timeout_s=0.3)) == [([11], "a", None), ([], "", "abort")]
+    assert silent.aborted == ["r0"]
+
+
 def test_a_request_waits_for_a_worker_to_join_its_pool():
     """No live worker at first (one died, Serve is starting its replacement): the request
     waits, then runs on the worker that joined; with too short a deadline it fails."""

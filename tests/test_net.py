@@ -55,13 +55,13 @@ def test_pulls_from_a_peer_that_cannot_be_reached_share_one_build_then_fail_at_o
 
     import pytest
 
-    from kvray.actors import connectors
-    from kvray.actors.connectors import KVPullError, TorchDistConnector
+    from kvray.actors import kv_transport
+    from kvray.actors.kv_transport import KVPullError, TorchDistConnector
     from kvray.configs import KVTransferConfig
 
     builds = []
-    real_host_store = connectors.host_store
-    monkeypatch.setattr(connectors, "host_store", lambda *a: builds.append(a) or real_host_store(*a))
+    real_host_store = kv_transport.host_store
+    monkeypatch.setattr(kv_transport, "host_store", lambda *a: builds.append(a) or real_host_store(*a))
 
     class Unreachable:  # its join never arrives
         class join_pair:  # noqa: N801 (the shape of a Ray actor method)

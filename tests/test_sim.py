@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from kvray.engine.kv_handoff import LeasePolicy
 from kvray.routing import affine_worker, prefix_key
 from kvray.sim import (
     ClusterSpec,
@@ -107,15 +108,36 @@ def test_preemption_under_block_pressure_still_finishes_every_request_exactly():
     assert_blocks_all_back(sim)
 
 
-def test_a_decode_worker_without_room_recomputes_and_releases_the_pin():
-    spec = ClusterSpec(
-        prefill=PoolSpec(1, engine(budget=64), STEP),
-        decode=PoolSpec(1, engine(num_blocks=3, budget=64), STEP),  # room for one pulled prompt
-    )
-    reqs = [SimRequest("a", 0.0, 32, 8), SimRequest("b", 0.0, 32, 8)]
-    sim, res = run(spec, reqs)
-    assert res.num_kv_recomputes >= 1
-    assert all(len(r.token_times) == 8 for r in res.records)
+def test_a_decode_worker_without_room_waits_for_blocks_then_pulls():
+    # the decode worker's 3 blocks: a's pulled prompt takes 2 (and its third at its first
+    # decode step), b's needs 2 -- b waits for room while its pin lasts (30 s) and is
+    # granted blocks between steps as a ends, as the engine's `handoff_step` does
+    sim, res = run(pd(decode_blocks=3), [SimRequest("a", 0.0, 32, 8), SimRequest("b", 0.0, 32, 8)])
+    # prefill 0-10 ms; a's pull 10-60, its steps 60-130; b's pull 130-180, its steps 180-250
+    assert res.records[0].token_times == pytest.approx([0.01, *(0.07 + 0.01 * i for i in range(7))])
+    assert res.records[1].token_times == pytest.approx([0.01, *(0.19 + 0.01 * i for i in range(7))])
+    assert res.num_kv_recomputes == 0
+    assert_blocks_all_back(sim)
+
+
+def test_a_decode_worker_recomputes_when_the_pin_would_lapse_before_room_comes():
+    # as above, but b's ticket lasts 1.095 s from its prompt's end (10 ms): with the 1 s
+    # margin its wait ends at 105 ms, and the decode worker, mid-step, sends it to
+    # recompute at its next step boundary (110 ms), where the pin goes. a ends at 130 ms;
+    # b's 33 tokens (prompt and first token) run in the step 130-140 ms, then 6 more
+    lease = LeasePolicy(lease_s=1.095)
+    sim = Simulator(pd(decode_blocks=3, lease=lease))
+    res = sim.run([SimRequest("a", 0.0, 32, 8), SimRequest("b", 0.0, 32, 8)])
+    assert res.records[0].token_times == pytest.approx([0.01, *(0.07 + 0.01 * i for i in range(7))])
+    assert res.records[1].token_times == pytest.approx([0.01, *(0.14 + 0.01 * i for i in range(7))])
+    assert res.num_kv_recomputes == 1
+    assert_blocks_all_back(sim)
+    # a ticket shorter than the margin: b is queued to recompute as it arrives (10 ms), and
+    # runs at the same times (a's blocks come back at 130 ms either way)
+    sim = Simulator(pd(decode_blocks=3, lease=LeasePolicy(lease_s=0.5)))
+    res = sim.run([SimRequest("a", 0.0, 32, 8), SimRequest("b", 0.0, 32, 8)])
+    assert res.records[1].token_times == pytest.approx([0.01, *(0.14 + 0.01 * i for i in range(7))])
+    assert res.num_kv_recomputes == 1
     assert_blocks_all_back(sim)
 
 

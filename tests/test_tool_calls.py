@@ -8,6 +8,7 @@ import json
 import jsonschema
 import pytest
 
+from kvray.actors.messages import Delta
 from kvray.engine import CompletionOutput
 from kvray.errors import InvalidArgumentError
 from kvray.router.api_error import APIError
@@ -83,14 +84,12 @@ class _Tokenizer:
 
 
 def _stream(builder: ResponseBuilder, text: str, step: int = 3) -> list[dict]:
-    """Feed `text` in pieces as cumulative outputs; the last one finishes with stop."""
+    """Feed `text` in deltas of `step` characters (a token each); the last finishes with stop."""
     chunks = []
-    for end in range(step, len(text) + step, step):
-        done = end >= len(text)
-        c = CompletionOutput(
-            0, text[:end], list(range(min(end, len(text)))), finish_reason="stop" if done else None
-        )
-        chunk = builder.delta_chunk(0, c, False)
+    for start in range(0, len(text), step):
+        done = start + step >= len(text)
+        delta = Delta("r", [start], text[start : start + step], None, "stop" if done else None, None)
+        chunk = builder.chunk(0, delta, False)
         if chunk is not None:
             chunks.append(chunk["choices"][0])
     return chunks

@@ -1,9 +1,16 @@
-"""KV connectors: how a decode worker pulls a prefill worker's pinned blocks.
+"""The workers' half of a KV hand-off: moving a prefill worker's pinned blocks into the
+blocks a decode worker reserved (the engines' half, the pins, leases and pull rooms, is
+engine/kv_handoff.py; both apply one `LeasePolicy`, `KVTransferConfig.lease_policy()`).
 
-Both connectors share one shape. The decode side calls `pull(ticket, prefill, ...)`; the
-prefill side answers through its worker's `KVSource` (pack the pinned blocks, hand them
-over; the decode side then confirms and the pin is released). A pull that cannot
-complete raises `KVPullError`; the decode worker then recomputes the prompt itself.
+One interface a side, one implementation per `kv_transfer.connector`:
+
+* serving pins: a source actor (a prefill worker, each shard of a sharded one) is a
+  `KVServing`, its remote methods answering pulls through a `KVSource` (pack the pinned
+  blocks, or a piece of given blocks, through the engine's views of them);
+* pulling a job: the decode worker's `KVConnector.pull(ticket, prefill, into)` (a piece
+  at a time, `pull_piece`, when either side is sharded: actors/kv_pull.py plans them).
+  The decode side then confirms and the pin is released. A pull that cannot complete
+  raises `KVPullError`; the decode worker then recomputes the prompt itself.
 
 * `torch_dist`: point-to-point over a pairwise process group (gloo on CPU, NCCL on CUDA)
   built on first use through a TCPStore rendezvous. Pull requests travel on the pair's
@@ -25,6 +32,7 @@ import torch
 
 from kvray.actors.pair_group import PairGroups, host_store, join_pair_groups
 from kvray.configs import KVTransferConfig
+from kvray.engine.kv_handoff import LeasePolicy
 from kvray.engine.kv_transfer import KVLayout, KVTicket, layer_chunks
 from kvray.engine.kv_views import BlockView, KVViews
 from kvray.errors import KvrayError
@@ -106,10 +114,39 @@ class KVSource:
                 continue
 
 
+class KVServing:
+    """What a KV source actor serves pulls through (mixed into the prefill worker and its
+    shard actors, which set `source`, `host` and `lease`): one remote method per transport
+    step, the same on every source."""
+
+    source: KVSource
+    host: str  # the address peers reach this actor's node at
+    lease: LeasePolicy
+
+    async def join_pair(self, peer_id: str, host: str, port: int, key: str, backend: str) -> None:
+        """torch_dist: this side of the pair with decode worker (or shard) `peer_id`."""
+        await self.source.join_pair(peer_id, host, port, key, backend, self.lease.pull_timeout_s)
+
+    async def send_piece(self, peer_id: str, tag: int, blocks: list[int], layers: range, heads: range) -> int:
+        return await asyncio.to_thread(self.source.send_piece, peer_id, tag, blocks, layers, heads)
+
+    async def export_piece(self, blocks: list[int], layers: range, heads: range) -> torch.Tensor:
+        return await self.source.export_piece(blocks, layers, heads)
+
+    async def kv_socket_address(self) -> tuple[str, int]:
+        """tcp: where this source's socket server listens (started on first use)."""
+        from kvray.actors.kv_socket import socket_address  # it builds on this module's classes
+
+        return socket_address(self.source, self.host, self.lease.pull_timeout_s)
+
+    async def bytes_sent(self) -> int:
+        return self.source.bytes_sent
+
+
 class KVConnector(ABC):
     def __init__(self, worker_id: str, config: KVTransferConfig, host: str, backend: str):
         self.worker_id = worker_id
-        self.config = config
+        self.lease = config.lease_policy()  # pulls end within lease.pull_timeout_s
         self.host = host
         self.backend = backend
 
@@ -138,9 +175,7 @@ class KVConnector(ABC):
 class ObjectStoreConnector(KVConnector):
     async def pull(self, ticket, prefill, into):
         try:
-            packed = await wait_for(
-                prefill.export_kv.remote(ticket.request_id), self.config.pull_timeout_seconds
-            )
+            packed = await wait_for(prefill.export_kv.remote(ticket.request_id), self.lease.pull_timeout_s)
         except Exception as e:  # actor died, timed out
             raise KVPullError(f"object-store pull of {ticket.request_id} failed: {e!r}") from e
         if packed is None:
@@ -154,9 +189,7 @@ class ObjectStoreConnector(KVConnector):
     async def pull_piece(self, source_id, source, src_blocks, src, into, dst, start_by):
         try:
             check_start(start_by, source_id)
-            packed = await wait_for(
-                source.export_piece.remote(src_blocks, *src), self.config.pull_timeout_seconds
-            )
+            packed = await wait_for(source.export_piece.remote(src_blocks, *src), self.lease.pull_timeout_s)
             await asyncio.to_thread(into.unpack, packed, *dst)
         except KVPullError:
             raise
@@ -221,7 +254,7 @@ class PeerLinks:
 class TorchDistConnector(KVConnector):
     def __init__(self, *args):
         super().__init__(*args)
-        self.links = PeerLinks(self._build, self.config.pull_timeout_seconds)
+        self.links = PeerLinks(self._build, self.lease.pull_timeout_s)
         self.stores: dict[str, object] = {}  # kept alive: the pair's rendezvous
         # a pull uses tags tag .. tag + chunks; gloo tags must stay below 2**31
         self.tags = itertools.cycle(range(1, 2**31 - TAGS_PER_PULL, TAGS_PER_PULL))
@@ -232,7 +265,7 @@ class TorchDistConnector(KVConnector):
 
     async def _build(self, peer_id: str, peer) -> PairGroups:
         """The pair with `peer` (this side hosts the store)."""
-        timeout = self.config.pull_timeout_seconds
+        timeout = self.lease.pull_timeout_s
         store = host_store(self.host, timeout)
         key = f"kvray/{self.worker_id}/{peer_id}"
         joined = peer.join_pair.remote(self.worker_id, self.host, store.port, key, self.backend)
@@ -258,7 +291,7 @@ class TorchDistConnector(KVConnector):
             groups = await self.links.get(peer_id, prefill)
             tag = next(self.tags)
             request = encode_request(tag, ticket.request_id)
-            timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
+            timeout = datetime.timedelta(seconds=self.lease.pull_timeout_s)
 
             def transfer() -> int:
                 groups.control.send([request], 1, REQUEST_TAG).wait(timeout)
@@ -276,7 +309,7 @@ class TorchDistConnector(KVConnector):
     async def pull_piece(self, source_id, source, src_blocks, src, into, dst, start_by):
         """The source is told by a Ray call to send; the piece comes on the pair's data group."""
         buf = into.empty_piece(*dst)
-        timeout = datetime.timedelta(seconds=self.config.pull_timeout_seconds)
+        timeout = datetime.timedelta(seconds=self.lease.pull_timeout_s)
         try:
             groups = await self.links.get(source_id, source)
             tag = next(self.tags)
