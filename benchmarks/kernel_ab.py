@@ -20,6 +20,8 @@ median ms of each build.
 `--phases` (no `--b`): build A once more with `-DKVRAY_PHASE_TIMES` and print where the
 step's time goes, phase by phase (norm, qkv, RoPE, attention, ..., summed over the layers;
 thread 0's clock, so a phase's time includes waiting for the other threads' share of it).
+
+`--quick` (with either): the smallest step (4 rows of 32 tokens, 6 replays), a smoke run.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ PHASES = (
     "SiLU x up",
     "down",
 )
+QUICK = {"rows": 4, "context": 32, "reps": 6}  # --quick's sizes
 
 
 def build(folder: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -61,10 +64,10 @@ def build(folder: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL
     return ctypes.CDLL(str(out))
 
 
-def capture_step(rows: int, context: int, dtype: str = "auto") -> tuple:
+def capture_step(rows: int, context: int, dtype: str = "auto", model: str = "smollm2-135m-instruct") -> tuple:
     """The arguments of one fused decode step of `rows` sequences (`context` tokens each)."""
     llm = LLM(
-        model="smollm2-135m-instruct",
+        model=model,
         dtype=dtype,
         max_model_len=context + 64,
         max_num_seqs=rows,
@@ -119,6 +122,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=120)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="the model's dtype (auto, float32, bfloat16)")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--quick", action="store_true", help=f"smallest sizes ({QUICK}; flags given win)")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     if (args.b is None) == (not args.phases):
         parser.error("give --b (an A/B of two builds) or --phases (one build, phase by phase)")
@@ -128,7 +135,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         libs = [build(folder, Path(tmp) / f"{name}.so") for name, folder in (("a", args.a), ("b", args.b))]
-        _llm, step = capture_step(args.rows, args.context, args.dtype)
+        _llm, step = capture_step(args.rows, args.context, args.dtype, args.model)
         times: list[list[float]] = [[], []]
         for rep in range(args.reps):
             for which in (0, 1) if rep % 2 else (1, 0):
@@ -145,7 +152,7 @@ def main() -> None:
 def phases(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(args.a, Path(tmp) / "phases.so", ("KVRAY_PHASE_TIMES",))
-        _llm, step = capture_step(args.rows, args.context, args.dtype)
+        _llm, step = capture_step(args.rows, args.context, args.dtype, args.model)
         for _ in range(10):  # warm up
             replay(lib, step, args.threads)
         sums = (ctypes.c_double * len(PHASES)).in_dll(lib, "kvray_phase_seconds")

@@ -7,7 +7,10 @@
 - offline decode tok/s at 16 and 32 sequences of long prompts: time of a 1 + N token
   generation minus a 1-token one (prefix caching off).
 
-    .venv/bin/python benchmarks/kv_int8.py [--prompt-tokens 640] [--new-tokens 48]
+    .venv/bin/python benchmarks/kv_int8.py [--prompt-tokens 640] [--new-tokens 48] [--quick]
+
+`--quick`: every path at its smallest (4 and 8 sequences of 32 tokens, 8 new ones), a smoke
+run whose decode rates mean little (a difference of two short timings).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from serve_harness import cpu_banner
 
 CACHES = ("auto", "int8")
+QUICK = {"prompt_tokens": 32, "new_tokens": 8, "num_seqs": [4, 8]}  # --quick's sizes
 
 
 def kernel_ms(
@@ -75,13 +79,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=640)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--num-seqs", type=int, nargs="+", default=[16, 32], help="decode batch sizes")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quick", action="store_true", help=f"smallest sizes ({QUICK}; flags given win)")
+    if ap.parse_known_args()[0].quick:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args()
 
     from kvray.engine import LLM
 
     print(cpu_banner())
     llms = {
-        c: LLM(kv_cache_dtype=c, max_model_len=1024, enable_prefix_caching=False, max_num_batched_tokens=1024)
+        c: LLM(
+            model=args.model,
+            kv_cache_dtype=c,
+            max_model_len=1024,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=1024,
+        )
         for c in CACHES
     }
     gib = 1 << 30
@@ -101,14 +116,19 @@ def main() -> None:
             flush=True,
         )
     print()
-    print(f"| cache | decode tok/s, 16 x {args.prompt_tokens} | decode tok/s, 32 x {args.prompt_tokens} |")
-    print("|---|---|---|")
+    print(
+        "| cache | " + " | ".join(f"decode tok/s, {n} x {args.prompt_tokens}" for n in args.num_seqs) + " |"
+    )
+    print("|---" * (1 + len(args.num_seqs)) + "|")
     gen = torch.Generator().manual_seed(0)
     vocab = llms["auto"].engine.hf_config.vocab_size
-    prompts = [torch.randint(100, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(32)]
+    prompts = [
+        torch.randint(100, vocab, (args.prompt_tokens,), generator=gen).tolist()
+        for _ in range(max(args.num_seqs))
+    ]
     for c, llm in llms.items():
-        rates = [decode_rate(llm, prompts[:n], args.new_tokens) for n in (16, 32)]
-        print(f"| {c} | {rates[0]:.1f} | {rates[1]:.1f} |", flush=True)
+        rates = [decode_rate(llm, prompts[:n], args.new_tokens) for n in args.num_seqs]
+        print(f"| {c} | " + " | ".join(f"{r:.1f}" for r in rates) + " |", flush=True)
 
 
 if __name__ == "__main__":

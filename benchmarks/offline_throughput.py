@@ -17,7 +17,10 @@ to its longest request, as its users batch), and with `--vllm PYTHON` vLLM's CPU
 run from that interpreter (a separate venv: it pins its own torch) on the same prompts.
 
     python benchmarks/offline_throughput.py [--num-requests 32] [--vllm /path/to/python]
-        [--skip-transformers] [--profile]
+        [--skip-transformers] [--profile] [--quick]
+
+`--quick`: every path at its smallest (4 requests of at most 16 output tokens, the matmul
+rate at two row counts), a smoke run whose numbers mean little.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from serve_datasets import DatasetArgs, WordVocab, sample_requests
 from serve_harness import cpu_banner
 
 VLLM_SCRIPT = Path(__file__).with_name("vllm_offline.py")
+QUICK = {"num_requests": 4, "max_output_tokens": 16, "rate_rows": [16, 256]}  # --quick's sizes
 
 
 def workload(tokenizer, num_requests: int, seed: int) -> list[tuple[list[int], int]]:
@@ -186,12 +190,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="kvray's (and vLLM's: the one kvray chose)")
     parser.add_argument("--quantization", default=None, choices=["int8"], help="kvray's (vLLM: as loaded)")
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output")
+    parser.add_argument(
+        "--rate-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512], help="the matmul rate's rows"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline-batch-size", type=int, default=16)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--vllm", metavar="PYTHON", help="also run vLLM's CPU build from this interpreter")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of kvray's run")
+    parser.add_argument("--quick", action="store_true", help=f"smallest sizes ({QUICK}; flags given win)")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -200,12 +211,14 @@ def main() -> None:
     path = resolve_model_path(args.model)
     cfg = load_config(path)
     reqs = workload(load_tokenizer(path), args.num_requests, args.seed)
+    if args.max_output_tokens:
+        reqs = [(ids, min(m, args.max_output_tokens)) for ids, m in reqs]
     useful = sum(m for _, m in reqs)
     flops = workload_flops(cfg, reqs)
 
     kv = run_kvray(str(path), reqs, args)
     dtype = kv["llm"].engine.dtype
-    rate, shape = best_matmul_rate(cfg, dtype)
+    rate, shape = best_matmul_rate(cfg, dtype, rows=tuple(args.rate_rows))
     roofline_s = flops / rate
     rows = [("kvray `LLM.generate`", kv["seconds"])]
     if not args.skip_transformers:

@@ -10,7 +10,11 @@ of what the other load needs: ttft = 1.5 x one long prompt's predicted prefill, 
 prefill pool and not the decode pool; the long-output load the decode pool and not the
 prefill pool.
 
-    kvray bench planner [--profile sim/profiles/cpu-t1-served.json]
+    kvray bench planner [--profile sim/profiles/cpu-t1-served.json] [--quick]
+
+`--quick`: each load at its smallest (2 requests, 2 at a time), a smoke run of the whole
+path (the app up, both loads through it, the pools read off /metrics, the app down) too
+small to make the planner grow a pool.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ LOADS = {  # name: (prompt tokens, output tokens)
     "long prompts": (430, 2),
     "long outputs": (8, 128),
 }
+QUICK = {"num_prompts": 2, "max_concurrency": 2}  # --quick's sizes
 
 
 def workers_by_role(url: str) -> dict[str, int]:
@@ -119,6 +124,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=ROOT / "sim" / "profiles" / "cpu-t1-served.json")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-concurrency", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help=f"smallest sizes ({QUICK}; flags given win)")
+    if ap.parse_known_args()[0].quick:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args()
     ttft, tpot = slos(args.profile)
     path = Path(tempfile.mkdtemp(prefix="kvray-planner-")) / "pd-planner.yaml"

@@ -17,6 +17,9 @@ by 10-30 % over a minute, and a plain run followed by a speculative one measured
     .venv/bin/python benchmarks/spec_decode.py [--k 8] [--lookup-min 2] [--max-tokens 160]
     .venv/bin/python benchmarks/spec_decode.py --model qwen2.5-coder-1.5b-instruct \
         --draft qwen2.5-coder-0.5b-instruct      (a draft model's speculation beside n-gram)
+
+`--quick`: every path at its smallest (2 prompts a workload, 24 tokens, one repeat), a
+smoke run whose speed-ups mean little.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 
 from serve_harness import cpu_banner
+
+QUICK = {"num_prompts": 2, "max_tokens": 24, "repeats": 1, "batches": [1, 2]}  # --quick's sizes
 
 PASSAGE = (
     "The lighthouse stood on a spit of black rock at the mouth of the bay. Every night for "
@@ -137,6 +142,10 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--workloads", nargs="+", default=["grounded", "open"])
     ap.add_argument("--no-ngram", action="store_true", help="plain and the draft model only (less memory)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="the first N prompts of each workload")
+    ap.add_argument("--quick", action="store_true", help=f"smallest sizes ({QUICK}; flags given win)")
+    if ap.parse_known_args()[0].quick:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args()
 
     from kvray.engine import LLM, SamplingParams
@@ -173,7 +182,7 @@ def main() -> None:
     for llm in engines.values():
         run(llm, warm, params, 1)
     for name in args.workloads:
-        prompts = [chat_ids(plain.tokenizer, t) for t in workloads[name]]
+        prompts = [chat_ids(plain.tokenizer, t) for t in workloads[name][: args.num_prompts]]
         for batch in args.batches:
             before = {k: _spec_counts(llm) for k, llm in engines.items()}
             totals = dict(

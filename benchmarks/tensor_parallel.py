@@ -9,7 +9,11 @@
    embedding) and the logits' all-gather — for the tiny model and for SmolLM2.
 3. SmolLM2-135M (fp32) decode tokens/s at tp=1 and tp=2, batch 16, same slope method.
 
-    python benchmarks/tensor_parallel.py [--skip-smollm2]
+    python benchmarks/tensor_parallel.py [--skip-smollm2] [--quick]
+
+`--quick`: every part at its smallest (lengths 4 and 12, 20 timings of each collective,
+SmolLM2 at batch 4), a smoke run whose numbers mean little: a slope between two short
+runs can come out negative on a busy machine.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import platform
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,13 +47,27 @@ TINY = dict(
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
 
 
-def tiny_model_dir() -> str:
+@dataclass(frozen=True)
+class Sizes:
+    """How much each part runs: the slope's two generation lengths, the timings of each
+    collective, SmolLM2's batch."""
+
+    short: int = 16
+    long: int = 80
+    collective_reps: int = 200
+    smollm2_batch: int = 16
+    smollm2_short: int = 16
+    smollm2_long: int = 48
+
+
+QUICK = Sizes(short=4, long=12, collective_reps=20, smollm2_batch=4, smollm2_short=4, smollm2_long=12)
+
+
+def save_tiny_model(folder: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tempfile.mkdtemp(prefix="kvray-tiny-")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder)
-    return folder
 
 
 def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, short: int, long: int) -> float:
@@ -153,29 +172,39 @@ def overhead_table(name: str, shape: dict, costs: dict[str, float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-smollm2", action="store_true")
+    parser.add_argument("--quick", action="store_true", help=f"smallest sizes ({QUICK})")
     args = parser.parse_args()
+    sizes = QUICK if args.quick else Sizes()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     machine = platform.processor() or platform.machine()
     print(f"machine: {machine}, {os.cpu_count()} cores, torch {torch.__version__}")
 
-    tiny = tiny_model_dir()
-    single = engine_steps(tiny, 1, batch=8, prompt_len=16, short=16, long=80)
-    group = engine_steps(tiny, 2, batch=8, prompt_len=16, short=16, long=80)
+    with tempfile.TemporaryDirectory(prefix="kvray-tiny-") as tiny:
+        save_tiny_model(tiny)
+        single = engine_steps(tiny, 1, batch=8, prompt_len=16, short=sizes.short, long=sizes.long)
+        group = engine_steps(tiny, 2, batch=8, prompt_len=16, short=sizes.short, long=sizes.long)
     print("\nTiny Llama (4 layers, hidden 256, fp32): one decode step of batch 8")
     print("| engine | ms per step |\n|---|---|")
     print(f"| one process (tp=1) | {single * 1e3:.2f} |")
     print(f"| tp=2 group (2 Ray shard actors, gloo) | {group * 1e3:.2f} |")
     print(f"overhead of the group: {(group - single) * 1e3:.2f} ms per step")
-    overhead_table("Tiny Llama", TINY, collective_costs(TINY))
-    overhead_table("SmolLM2-135M", SMOLLM2, collective_costs(SMOLLM2))
+    overhead_table("Tiny Llama", TINY, collective_costs(TINY, reps=sizes.collective_reps))
+    overhead_table("SmolLM2-135M", SMOLLM2, collective_costs(SMOLLM2, reps=sizes.collective_reps))
 
     if not args.skip_smollm2:
-        batch = 16
+        batch = sizes.smollm2_batch
         rates = {}
         for tp in (1, 2):
-            step = engine_steps("smollm2-135m-instruct", tp, batch=batch, prompt_len=64, short=16, long=48)
+            step = engine_steps(
+                "smollm2-135m-instruct",
+                tp,
+                batch=batch,
+                prompt_len=64,
+                short=sizes.smollm2_short,
+                long=sizes.smollm2_long,
+            )
             rates[tp] = batch / step
-        print("\nSmolLM2-135M (fp32), decode of batch 16")
+        print(f"\nSmolLM2-135M (fp32), decode of batch {batch}")
         print("| tensor_parallel_size | decode tok/s |\n|---|---|")
         for tp, rate in rates.items():
             print(f"| {tp} | {rate:.1f} |")

@@ -17,13 +17,11 @@ ENGINE_OBJECTS = ("hf_config", "tokenizer")  # objects for tests and benchmarks,
 
 
 def _check_keywords(kwargs: dict) -> None:
-    """Every extra keyword must be an EngineConfig field (or an engine object): a typo is
-    an error naming the closest valid name, never a silently default engine."""
+    """Every keyword must be an EngineConfig field (or an engine object): a typo is an
+    error naming the closest valid name, never a silently default engine."""
     import difflib
-    import inspect
 
     valid = set(EngineConfig.__dataclass_fields__) | set(ENGINE_OBJECTS)
-    valid |= set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"}
     for name in kwargs:
         if name not in valid:
             close = difflib.get_close_matches(name, sorted(valid), n=1)
@@ -31,45 +29,34 @@ def _check_keywords(kwargs: dict) -> None:
             raise InvalidArgumentError(name, kwargs[name], f"a keyword LLM accepts{hint}")
 
 
+_E = EngineConfig  # the defaults below are its own, stated nowhere else
+
+
 class LLM:
     def __init__(
         self,
-        model: str = "smollm2-135m-instruct",
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        attention_backend: str | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        seed: int = 0,
-        kv_cache_dtype: str = "auto",
-        speculative_config: dict | None = None,
-        quantization: str | None = None,
+        model: str = _E.model,
+        dtype: str = _E.dtype,
+        block_size: int = _E.block_size,
+        max_num_seqs: int = _E.max_num_seqs,
+        max_num_batched_tokens: int = _E.max_num_batched_tokens,
+        max_model_len: int | None = _E.max_model_len,
+        enable_prefix_caching: bool = _E.enable_prefix_caching,
+        kv_cache_memory_bytes: int | None = _E.kv_cache_memory_bytes,
+        attention_backend: str | None = _E.attention_backend,
+        tensor_parallel_size: int = _E.tensor_parallel_size,
+        pipeline_parallel_size: int = _E.pipeline_parallel_size,
+        seed: int = _E.seed,
+        kv_cache_dtype: str = _E.kv_cache_dtype,
+        speculative_config: dict | None = _E.speculative_config,
+        quantization: str | None = _E.quantization,
         **kwargs,
     ):
+        """vLLM's engine arguments by name: those above, and any other EngineConfig field."""
         _check_keywords(kwargs)
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            seed=seed,
-            kv_cache_dtype=kv_cache_dtype,
-            quantization=quantization,
-            speculative_config=speculative_config,
-            **{k: v for k, v in kwargs.items() if k in EngineConfig.__dataclass_fields__},
-        )
+        fields = EngineConfig.__dataclass_fields__
+        named = {k: v for k, v in locals().items() if k in fields}  # (the arguments above)
+        config = EngineConfig(**named, **{k: v for k, v in kwargs.items() if k in fields})
         engine_kwargs = {k: kwargs[k] for k in ENGINE_OBJECTS if k in kwargs}
         self._model = model
         self._ids = itertools.count()
@@ -79,7 +66,7 @@ class LLM:
         self.embedder = None if engine_kwargs else build_embedder(config)
         if self.embedder is not None:
             return
-        if tensor_parallel_size * pipeline_parallel_size > 1:
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             if engine_kwargs:
                 raise InvalidArgumentError(
                     "hf_config" if "hf_config" in engine_kwargs else "tokenizer",

@@ -6,10 +6,11 @@ defect a test must catch, not a user.
 - every `kvray` subcommand and `kvray bench` entry is documented there;
 - every benchmark script answers `--help` (its imports and arguments are sound);
 - the front doors run at their smallest size: `kvray generate` (what `make generate`
-  runs) and `kvray sim study --plot` (`kvray bench step-times --quick`:
-  tests/test_bench_commands.py; `kvray serve`: tests/test_serve_cli.py; `kvray sim
-  plan/run/validate`: tests/test_sim_calibration.py; `kvray deploy` and `ray up`:
-  tests/test_ray_up.py).
+  runs) and `kvray sim study --plot` here; every `kvray bench` entry with `--quick`
+  (offline, spec, kv-int8, tp, kernel-ab, planner, step-times):
+  tests/test_bench_commands.py; `kvray bench serve`: tests/test_serve_openai.py; `kvray
+  serve`: tests/test_serve_cli.py; `kvray sim plan/run/validate`:
+  tests/test_sim_calibration.py; `kvray deploy` and `ray up`: tests/test_ray_up.py).
 """
 
 from __future__ import annotations
