@@ -3,7 +3,7 @@
 A prefill engine finishes a request after its first token but keeps the prompt's blocks
 *pinned* (still counted as used) under a lease; a `KVTicket` names them. A decode engine
 reserves blocks for the prompt, a transport pulls the bytes into them (actors/
-connectors.py: the workers' half), and the pull's end admits the request to the batch
+kv_transport.py: the workers' half), and the pull's end admits the request to the batch
 (or, when it failed, queues its prompt for recompute). The scheduler knows nothing of
 this: at each finish it asks `request_finished` (the shape of vLLM's
 `KVConnectorBase_V1` scheduler half) whether the blocks are held.
@@ -17,8 +17,9 @@ this: at each finish it asks `request_finished` (the shape of vLLM's
                    finish_pull(ok) -> running | recompute ; abort marks, never frees early
 
 `PinTable` is the one part other threads see: a transfer reads pinned blocks under
-`begin_read`/`end_read`, so a pin being read never lapses under it. `LeasePolicy` holds
-the timing rules both workers and engines apply.
+`begin_read`/`end_read`, and a multi-shard pull's driver keeps them under `hold`/`unhold`,
+so a pin being read or held never lapses under it. `LeasePolicy` holds the timing rules
+workers, engines, transports and the simulator apply.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ class PinTable:
 
     def pop(self, request_id: str) -> list[int] | None:
         """Remove a pin nobody is reading; returns its blocks. None: absent, or being read
-        (then it is marked released: `expired` lists it once the read ends)."""
+        (then it is marked released: `expired` lists it once the read ends). A hold ends
+        here (its owner's release), or lapses: `hold` refuses a pin `expired` may list."""
         with self.lock:
             pin = self.pins.get(request_id)
             if pin is None:
@@ -141,7 +143,8 @@ class PinTable:
             return self.pins.pop(request_id).blocks
 
     def expired(self, now: float) -> list[str]:
-        """Pins to release now: nobody reads them, and their lease is over or they were let go."""
+        """Pins to release now: nobody reads or holds them, and their lease is over or they
+        were let go."""
         with self.lock:
             return [
                 rid

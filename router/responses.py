@@ -107,7 +107,8 @@ class ResponseBuilder:
             text = streamed.text[streamed.num_chars : shown]
         logprobs = None
         if delta.logprobs:
-            logprobs = self._logprobs(delta.token_ids, delta.logprobs, streamed.num_chars)
+            tokens = delta.token_ids[: len(delta.logprobs)]  # (one entry a token)
+            logprobs = self._logprobs(tokens, delta.logprobs, streamed.num_chars)
         if not text and logprobs is None and not finished and streamed.started:
             return None
         before = streamed.num_chars  # (the text that went out before this chunk)
