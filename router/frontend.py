@@ -8,12 +8,10 @@ uses (`Inbox`, router/inbox.py): the worker sends one list of deltas per engine 
 front's requests, and the inbox hands each delta to its request. No token passes the
 Router, so it may die or restart under running streams.
 
-`Frontend.stream` yields each request's deltas as they come (new tokens, new text, their
-logprobs, the finish reason on the last): the ingress builds its chunks from them
-(router/generation.py). The front keeps of a request only what it needs itself: the token
-ids so far (a migrating request brings them to its next worker) and whether it finished.
-`Frontend.generate` folds the deltas into one cumulative `CompletionOutput` (`grow`), for
-the Python front (`FrontActor`, cluster/local.py), whose callers get cumulative outputs.
+`Frontend.stream` yields each request's deltas as they come: the ingress builds its chunks
+from them (router/generation.py). The front keeps only the token ids so far (a migrating
+request brings them along) and whether it finished. `Frontend.generate` folds the deltas
+into one cumulative `CompletionOutput`, for the Python front (cluster/local.py).
 
 Failures: a worker that dies (or is draining) before the request produced output here is
 excluded and the phase is retried on another one (at most `router.max_retries` times). A
@@ -112,19 +110,13 @@ class Frontend:
             inbox.close()
 
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        timeout_s: float | None = None,
-        priority: int = 0,
-        trace: RequestTrace | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *rest, **options
     ) -> AsyncIterator[CompletionOutput]:
-        """`stream`, folded: yields the request's CompletionOutput, cumulative, after every
-        delta (the same object, grown in place: read it before the next one)."""
+        """`stream` (the same arguments), folded: yields the request's CompletionOutput,
+        cumulative, after every delta (the same object, grown in place: read it before the
+        next one)."""
         out = new_output(params)
-        stream = self.stream(request_id, prompt_token_ids, params, timeout_s, priority, trace)
-        async with aclosing(stream) as deltas:
+        async with aclosing(self.stream(request_id, prompt_token_ids, params, *rest, **options)) as deltas:
             async for delta in deltas:
                 grow(out, delta)
                 yield out
@@ -138,17 +130,14 @@ class Frontend:
         priority: int = 0,
         trace: RequestTrace | None = None,
     ) -> AsyncIterator[Delta]:
-        """Run one request (one sample); yields its deltas as they come, each the tokens,
-        text and logprobs entries new since the last (consecutive ones from one batch of
-        the worker's stream joined), the last with its finish reason. A migration is not
-        seen in them: the next worker goes on from the next token.
+        """Run one request (one sample); yields its deltas as they come (what is new since
+        the last; the last with its finish reason; a migration goes on from the next token).
 
         Past its deadline (`timeout_s`, default `router.request_timeout_s`) the request is
         aborted everywhere: RequestTimeoutError if it had no output yet, else its stream
         ends with a delta of finish_reason "abort" (and nothing new). While its pool has
         no live worker it waits for one to join, until the deadline (then NoWorkerError).
-        `trace`: the request's trace (each worker chosen is a `route` span; the workers
-        record theirs under it)."""
+        `trace`: the request's trace (each worker chosen is a `route` span)."""
         deadline = time.monotonic() + (timeout_s or self.config.router.request_timeout_s)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         carrier = trace.carrier if trace is not None else None
